@@ -1,0 +1,186 @@
+"""The schema of a graph definition: roles, pools, data, nodes, schedule, trainer.
+
+YAML files and ``@graph`` calls both produce a :class:`GraphConfig`. Keys are
+checked here for shape (types, unknown keys); what they *mean* (an operator's
+parameters, a role kind's settings, a data source's options) is checked by
+:mod:`flowrl.graph.check` against what the registered operators declare.
+
+Example YAML::
+
+    name: grpo
+    roles:
+      actor: {model: builtin:tiny, optim: {lr: 5.0e-4}}
+    pools:
+      train: {workers: 1, cpus: 1, roles: [actor]}
+    data: {source: builtin:copy, batch_size: 32}
+    nodes:
+      generate: {op: rollout.generate, role: actor, n: 8}
+    schedule: {micro_batches: 1, staleness: 0}
+    trainer: {steps: 300}
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: keys of a node that are not operator parameters
+NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class RoleConfig(BaseModel):
+    """A role: ``kind`` (default inferred), ``from``/``frozen`` to derive one role from
+    another, and the kind's own settings (``model``, ``optim``...) as extra keys."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    kind: str | None = None
+    from_: str | None = Field(None, alias="from")
+    frozen: bool = False
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def dump(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.kind is not None:
+            out["kind"] = self.kind
+        if self.from_ is not None:
+            out["from"] = self.from_
+        if self.frozen:
+            out["frozen"] = True
+        out.update(self.settings)
+        return out
+
+
+class PoolConfig(_Strict):
+    """A resource pool: ``workers`` processes, each with ``cpus`` and ``gpus``; the
+    roles it hosts share those processes (colocation)."""
+
+    workers: int = Field(1, ge=1)
+    cpus: float = Field(1.0, ge=0)
+    gpus: float = Field(0.0, ge=0)
+    roles: list[str] = Field(default_factory=list)
+
+
+class DataConfig(BaseModel):
+    """The prompt source: ``source`` (``builtin:<task>`` or a parquet/jsonl path),
+    ``batch_size`` prompts per step, and the source's own options as extra keys."""
+
+    model_config = ConfigDict(extra="allow")
+
+    source: str
+    batch_size: int = Field(16, ge=1)
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def dump(self) -> dict[str, Any]:
+        return {"source": self.source, "batch_size": self.batch_size, **self.settings}
+
+
+class ScheduleConfig(_Strict):
+    """How the step runs: micro-batches for streaming, the staleness bound of the
+    weight edge (one number, or one per role), and the per-pool order policy."""
+
+    micro_batches: int = Field(1, ge=1)
+    staleness: int | dict[str, int] = 0
+    order: Literal["critical_path", "declared"] = "critical_path"
+    timeout_s: float | None = Field(None, gt=0)
+
+    @field_validator("staleness")
+    @classmethod
+    def _non_negative(cls, v: int | dict[str, int]) -> int | dict[str, int]:
+        values = v.values() if isinstance(v, dict) else [v]
+        if any(s < 0 for s in values):
+            raise ValueError("staleness must be >= 0 (0 is the synchronous step)")
+        return v
+
+    def staleness_of(self, role: str) -> int:
+        if isinstance(self.staleness, dict):
+            return self.staleness.get(role, 0)
+        return self.staleness
+
+
+class TrainerConfig(_Strict):
+    """The outer loop: steps, seed, where the run writes, checkpoints, validation."""
+
+    steps: int = Field(100, ge=1)
+    seed: int = 0
+    out: str | None = None
+    checkpoint_every: int = Field(0, ge=0)
+    keep_checkpoints: int = Field(3, ge=1)
+    val_every: int = Field(0, ge=0)
+    dump_rollouts: bool = False
+    log_every: int = Field(1, ge=1)
+
+
+class NodeConfig(BaseModel):
+    """One node: ``op`` (a registered name or ``module:function``), an optional
+    ``role``, field renames, explicit ``after`` dependencies, a ``timeout_s``,
+    and the operator's parameters as the remaining keys."""
+
+    model_config = ConfigDict(extra="allow")
+
+    op: str
+    role: str | None = None
+    inputs: dict[str, str] = Field(default_factory=dict)
+    outputs: dict[str, str] = Field(default_factory=dict)
+    after: list[str] = Field(default_factory=list)
+    timeout_s: float | None = Field(None, gt=0)
+    cost: float | None = Field(None, gt=0)
+
+    @property
+    def params(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def dump(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": self.op}
+        for key in ("role", "timeout_s", "cost"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        for key in ("inputs", "outputs", "after"):
+            if getattr(self, key):
+                out[key] = getattr(self, key)
+        out.update(self.params)
+        return out
+
+
+class GraphConfig(_Strict):
+    """A whole graph definition, as read from YAML or built by ``@graph``."""
+
+    name: str
+    description: str = ""
+    imports: list[str] = Field(default_factory=list)
+    roles: dict[str, RoleConfig] = Field(default_factory=dict)
+    pools: dict[str, PoolConfig] = Field(default_factory=dict)
+    data: DataConfig
+    nodes: dict[str, NodeConfig]
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+
+    @model_validator(mode="after")
+    def _has_nodes(self) -> "GraphConfig":
+        if not self.nodes:
+            raise ValueError("a graph needs at least one node under 'nodes'")
+        return self
+
+    def dump(self) -> dict[str, Any]:
+        """A canonical plain-dict form (two front ends building one graph dump equal)."""
+        return {
+            "name": self.name,
+            "imports": list(self.imports),
+            "roles": {k: v.dump() for k, v in self.roles.items()},
+            "pools": {k: v.model_dump() for k, v in self.pools.items()},
+            "data": self.data.dump(),
+            "nodes": {k: v.dump() for k, v in self.nodes.items()},
+            "schedule": self.schedule.model_dump(),
+            "trainer": self.trainer.model_dump(),
+        }

@@ -1,0 +1,212 @@
+"""Where graphs find operators, data sources and role kinds by name.
+
+The core names no operator. Packages declare theirs on import and announce the
+module through the ``flowrl.operators`` entry-point group (flowrl's own
+``operators`` package does); a user's module plugs in by import path
+(``op: mypkg.ops:length_penalty``) or through a graph's ``imports:`` list.
+
+Example::
+
+    from flowrl.graph.registry import REGISTRY
+    spec = REGISTRY.operator("advantage.gae")
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from pydantic import BaseModel
+
+from flowrl.data.fields import Field
+
+ENTRY_POINT_GROUP = "flowrl.operators"
+
+
+class UnknownNameError(KeyError):
+    """A name that is not registered; ``suggestions`` holds close names."""
+
+    def __init__(self, what: str, name: str, suggestions: list[str], hint: str = ""):
+        self.what, self.name, self.suggestions, self.hint = what, name, suggestions, hint
+        msg = f"unknown {what} {name!r}"
+        if suggestions:
+            msg += f"; did you mean {' or '.join(repr(s) for s in suggestions)}?"
+        if hint:
+            msg += f" {hint}"
+        super().__init__(msg)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class ImportPathError(ImportError):
+    """``module:attr`` could not be imported."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """A data source kind (``builtin:copy``, ``parquet``...): its columns and config."""
+
+    kind: str
+    fields: Callable[[BaseModel], tuple[Field, ...]]
+    config: type[BaseModel]
+    factory: Callable[..., Any]
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class RoleKind:
+    """A kind of role (``policy``, ``value``...): its config schema and how to build it."""
+
+    kind: str
+    config: type[BaseModel]
+    factory: Callable[..., Any]
+    doc: str = ""
+
+
+def load_object(path: str) -> Any:
+    """Import ``pkg.mod:attr`` or ``path/to/file.py:attr`` and return the attribute."""
+    if ":" not in path:
+        raise ImportPathError(f"{path!r} is not an import path; write it as 'package.module:name'")
+    mod_name, _, attr = path.rpartition(":")
+    module = load_module(mod_name)
+    try:
+        obj: Any = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise ImportPathError(f"module {mod_name!r} has no attribute {attr!r}") from None
+    return obj
+
+
+def load_module(name: str) -> Any:
+    """Import a module by dotted name or by file path (``graphs/ppo.py``)."""
+    if name.endswith(".py") or "/" in name:
+        path = Path(name)
+        if not path.is_file():
+            raise ImportPathError(f"no such Python file: {path}")
+        mod_name = f"_flowrl_user_{abs(hash(str(path.resolve())))}"
+        if mod_name in sys.modules:
+            return sys.modules[mod_name]
+        spec = importlib.util.spec_from_file_location(mod_name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[mod_name]
+            raise
+        return module
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        raise ImportPathError(f"cannot import module {name!r}: {e}") from e
+
+
+class Registry:
+    """Operators, data sources and role kinds, by name."""
+
+    def __init__(self) -> None:
+        self.operators: dict[str, Any] = {}
+        self.sources: dict[str, SourceSpec] = {}
+        self.roles: dict[str, RoleKind] = {}
+        self._plugins_loaded = False
+
+    # -- declaring
+    def add_operator(self, spec: Any) -> None:
+        old = self.operators.get(spec.name)
+        if old is not None and old.module != spec.module:
+            raise ValueError(
+                f"operator {spec.name!r} is declared twice: in {old.module} and in {spec.module}"
+            )
+        self.operators[spec.name] = spec
+
+    def add_source(self, spec: SourceSpec) -> None:
+        self.sources[spec.kind] = spec
+
+    def add_role_kind(self, spec: RoleKind) -> None:
+        self.roles[spec.kind] = spec
+
+    # -- plugins
+    def load_plugins(self) -> None:
+        """Import every module announced under the ``flowrl.operators`` entry points (once)."""
+        if self._plugins_loaded:
+            return
+        self._plugins_loaded = True
+        for ep in entry_points(group=ENTRY_POINT_GROUP):
+            importlib.import_module(ep.value.split(":")[0])
+
+    # -- finding
+    def operator(self, name: str) -> Any:
+        """An operator by registered name or by import path (``mypkg.ops:length_penalty``)."""
+        from flowrl.graph.operator import OperatorSpec
+
+        if ":" in name:
+            obj = load_object(name)
+            if not isinstance(obj, OperatorSpec):
+                raise ImportPathError(f"{name!r} is not an operator: decorate it with @flowrl.graph.operator")
+            return obj
+        self.load_plugins()
+        if name not in self.operators:
+            raise UnknownNameError(
+                "operator", name, difflib.get_close_matches(name, list(self.operators), n=3, cutoff=0.5),
+                "List them with `flowrl ops`; a module of your own is named as 'package.module:function'.",
+            )
+        return self.operators[name]
+
+    def source(self, kind: str) -> SourceSpec:
+        self.load_plugins()
+        if kind not in self.sources:
+            raise UnknownNameError(
+                "data source", kind, difflib.get_close_matches(kind, list(self.sources), n=3, cutoff=0.5)
+            )
+        return self.sources[kind]
+
+    def role_kind(self, kind: str) -> RoleKind:
+        self.load_plugins()
+        if kind not in self.roles:
+            raise UnknownNameError(
+                "role kind", kind, difflib.get_close_matches(kind, list(self.roles), n=3, cutoff=0.5)
+            )
+        return self.roles[kind]
+
+
+REGISTRY = Registry()
+
+
+def source(kind: str, *, config: type[BaseModel], fields: Callable[[Any], Mapping[str, str | Field]]):
+    """Declare a data source kind; ``fields(config)`` names the columns it yields.
+
+    Example::
+
+        @source("builtin", config=BuiltinData, fields=lambda c: {"input_ids": "int64[B, P]", ...})
+        def builtin_source(config, seed): ...
+    """
+
+    def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
+        def to_fields(cfg: Any) -> tuple[Field, ...]:
+            return tuple(
+                f.renamed(n) if isinstance(f, Field) else Field.parse(n, f) for n, f in fields(cfg).items()
+            )
+
+        REGISTRY.add_source(SourceSpec(kind, to_fields, config, factory, factory.__doc__ or ""))
+        return factory
+
+    return wrap
+
+
+def role_kind(kind: str, *, config: type[BaseModel]):
+    """Declare a role kind (``policy``, ``value``...) and the class that implements it."""
+
+    def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
+        REGISTRY.add_role_kind(RoleKind(kind, config, factory, factory.__doc__ or ""))
+        return factory
+
+    return wrap

@@ -1,0 +1,38 @@
+"""Shared test fixtures: one torch thread, one session-scoped local Ray."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    """A local Ray (2 CPUs) shared by every test that needs one; shut down at the end."""
+    ray = pytest.importorskip("ray")
+    started = False
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        started = True
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def pytest_collection_modifyitems(config, items):
+    slow_ok = os.environ.get("FLOWRL_SLOW") == "1"
+    has_cuda = torch.cuda.is_available()
+    for item in items:
+        if "slow" in item.keywords and not slow_ok:
+            item.add_marker(pytest.mark.skip(reason="slow: set FLOWRL_SLOW=1 to run"))
+        if "gpu" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none here"))
