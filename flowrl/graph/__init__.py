@@ -1,0 +1,62 @@
+"""The graph language: operators, the graph IR, its two front ends and its checks.
+
+``flowrl.graph`` is both this package and the ``@graph`` decorator (the module
+is callable), so the design's ``from flowrl import graph`` / ``@graph(...)``
+works while ``flowrl.graph.checks`` stays importable.
+
+Example::
+
+    from flowrl.graph import load_graph
+    graph = load_graph("graphs/ppo.yaml")
+    graph.check().raise_if_errors()
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from flowrl.graph.checks import (
+    CycleError,
+    DataSourceError,
+    DuplicateProducerError,
+    FieldTypeError,
+    GraphError,
+    GraphProblem,
+    GraphSyntaxError,
+    MissingProducerError,
+    ParameterError,
+    PoolError,
+    Report,
+    ResourceError,
+    RoleError,
+    RoleWithoutPoolError,
+    SchemaError,
+    UnknownOperatorError,
+    UnusedOutputWarning,
+    check,
+)
+from flowrl.graph.config import GraphConfig
+from flowrl.graph.ir import SOURCE, Graph, Node, StateEdge
+from flowrl.graph.load import builtin_graphs, load_graph
+from flowrl.graph.declare import NoParams, OperatorOutputError, OperatorSpec, Params, operator
+from flowrl.graph.registry import REGISTRY, role_kind, source
+from flowrl.graph.trace import GraphBuilder, TracedBatch, graph
+
+__all__ = [
+    "CycleError", "DataSourceError", "DuplicateProducerError", "FieldTypeError", "Graph", "GraphBuilder",
+    "GraphConfig", "GraphError", "GraphProblem", "GraphSyntaxError", "MissingProducerError", "Node",
+    "NoParams", "OperatorOutputError", "OperatorSpec", "ParameterError", "Params", "PoolError", "REGISTRY",
+    "Report", "ResourceError", "RoleError", "RoleWithoutPoolError", "SOURCE", "SchemaError", "StateEdge",
+    "TracedBatch", "UnknownOperatorError", "UnusedOutputWarning", "builtin_graphs", "check", "graph",
+    "load_graph", "operator", "role_kind", "source",
+]
+
+
+class _CallableModule(types.ModuleType):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return graph(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -3,7 +3,7 @@
 YAML files and ``@graph`` calls both produce a :class:`GraphConfig`. Keys are
 checked here for shape (types, unknown keys); what they *mean* (an operator's
 parameters, a role kind's settings, a data source's options) is checked by
-:mod:`flowrl.graph.check` against what the registered operators declare.
+:mod:`flowrl.graph.checks` against what the registered operators declare.
 
 Example YAML::
 

@@ -44,6 +44,12 @@ class UnknownNameError(KeyError):
     def __str__(self) -> str:
         return self.args[0]
 
+    def did_you_mean(self) -> str:
+        """``"did you mean 'x' or 'y'? "`` or empty when nothing is close."""
+        if not self.suggestions:
+            return ""
+        return f"did you mean {' or '.join(repr(s) for s in self.suggestions)}? "
+
 
 class ImportPathError(ImportError):
     """``module:attr`` could not be imported."""
@@ -146,12 +152,12 @@ class Registry:
     # -- finding
     def operator(self, name: str) -> Any:
         """An operator by registered name or by import path (``mypkg.ops:length_penalty``)."""
-        from flowrl.graph.operator import OperatorSpec
+        from flowrl.graph.declare import OperatorSpec
 
         if ":" in name:
             obj = load_object(name)
             if not isinstance(obj, OperatorSpec):
-                raise ImportPathError(f"{name!r} is not an operator: decorate it with @flowrl.graph.operator")
+                raise ImportPathError(f"{name!r} is not an operator: decorate it with @flowrl.graph.declare")
             return obj
         self.load_plugins()
         if name not in self.operators:

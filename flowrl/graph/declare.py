@@ -60,6 +60,10 @@ class OperatorDeclarationError(TypeError):
     """An operator was declared inconsistently (a programming error, raised at import)."""
 
 
+class OperatorOutputError(RuntimeError):
+    """An operator returned something other than what it declared."""
+
+
 @dataclass(frozen=True)
 class OperatorSpec:
     """Everything the graph layer knows about an operator, without running it."""
@@ -106,6 +110,70 @@ class OperatorSpec:
             ann = getattr(info.annotation, "__name__", str(info.annotation))
             rows.append((pname, ann, default, info.description or ""))
         return rows
+
+    def run(self, role: Any, batch: Any, params: Params) -> tuple[Any, dict[str, float]]:
+        """Call the operator body and check its outputs against the declaration.
+
+        Returns ``(outputs as a DataProto, metrics)``. The body may return a dict of
+        outputs, ``(outputs, metrics)``, a DataProto, or None when it declares no
+        outputs.
+        """
+        import numpy as np
+        import torch
+
+        from flowrl.data import DataProto
+
+        result = self.fn(role, batch, params) if self.role else self.fn(batch, params)
+        metrics: dict[str, float] = {}
+        if isinstance(result, tuple):
+            if len(result) != 2:
+                raise OperatorOutputError(f"operator {self.name!r} returned a tuple of {len(result)}; "
+                                          f"return outputs or (outputs, metrics)")
+            result, metrics = result
+            metrics = dict(metrics or {})
+        if result is None:
+            result = {}
+        if isinstance(result, DataProto):
+            cols: dict[str, Any] = {**{k: result.batch[k] for k in (result.batch.keys() if result.batch is not None else [])},
+                                    **result.non_tensor_batch}
+        elif isinstance(result, dict):
+            cols = dict(result)
+        else:
+            raise OperatorOutputError(f"operator {self.name!r} returned {type(result).__name__}; "
+                                      f"return a dict of its outputs")
+        declared = {f.name: f for f in self.outputs}
+        missing = [n for n in declared if n not in cols and declared[n].kind != "meta"]
+        extra = [n for n in cols if n not in declared]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"did not return {', '.join(missing)}")
+            if extra:
+                parts.append(f"returned undeclared {', '.join(extra)}")
+            raise OperatorOutputError(
+                f"operator {self.name!r} {' and '.join(parts)}; it declares outputs "
+                f"{', '.join(declared) or '(none)'}"
+            )
+        tensors, non_tensors, meta = {}, {}, {}
+        for name, value in cols.items():
+            f = declared[name]
+            if f.kind == "meta":
+                meta[name] = value
+            elif f.kind == "non_tensor":
+                arr = value if isinstance(value, np.ndarray) else np.array(list(value), dtype=object)
+                non_tensors[name] = arr.astype(object, copy=False)
+            else:
+                if not isinstance(value, torch.Tensor):
+                    raise OperatorOutputError(f"operator {self.name!r}: output {name!r} must be a tensor "
+                                              f"({f.spec}), got {type(value).__name__}")
+                dtype = str(value.dtype).removeprefix("torch.")
+                if f.dtype not in ("*", dtype):
+                    raise OperatorOutputError(f"operator {self.name!r}: output {name!r} is {dtype}, "
+                                              f"declared {f.spec}")
+                tensors[name] = value
+        out = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta) if (tensors or non_tensors) \
+            else DataProto(meta_info=meta)
+        return out, {k: float(v) for k, v in metrics.items()}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Trace into a graph when given a traced batch; otherwise run eagerly."""
