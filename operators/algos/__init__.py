@@ -1,0 +1,55 @@
+"""RL math on tensors: log-probs, masked statistics, advantages, KL, and PPO-family losses.
+
+Example (one GRPO update, cleanrl style)::
+
+    >>> from operators.algos import grpo_advantages, logprobs_from_logits, policy_loss
+    >>> advantages, _ = grpo_advantages(token_level_rewards, response_mask, index=uid)   # doctest: +SKIP
+    >>> log_prob = logprobs_from_logits(logits / temperature, responses)                  # doctest: +SKIP
+    >>> out = policy_loss(old_log_prob, log_prob, advantages, response_mask, clip_ratio=0.2)  # doctest: +SKIP
+    >>> out.pg_loss.backward()                                                             # doctest: +SKIP
+"""
+
+from operators.algos.advantages import (
+    GroupStats,
+    gae_advantages,
+    group_ids,
+    group_stats,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    remax_advantages,
+    rloo_advantages,
+)
+from operators.algos.functional import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+from operators.algos.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    apply_kl_penalty,
+    build_kl_controller,
+    kl_penalty,
+)
+from operators.algos.losses import (
+    AGG_MODES,
+    PolicyLoss,
+    agg_loss,
+    entropy_loss,
+    kl_loss,
+    policy_loss,
+    value_loss,
+)
+
+__all__ = [
+    "GroupStats", "gae_advantages", "group_ids", "group_stats", "grpo_advantages",
+    "reinforce_pp_advantages", "remax_advantages", "rloo_advantages",
+    "entropy_from_logits", "logprobs_from_logits", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
+    "AdaptiveKLController", "FixedKLController", "KLController", "apply_kl_penalty", "build_kl_controller",
+    "kl_penalty",
+    "AGG_MODES", "PolicyLoss", "agg_loss", "entropy_loss", "kl_loss", "policy_loss", "value_loss",
+]

@@ -1,0 +1,72 @@
+"""Token-level building blocks: log-probs and entropy from logits, masked statistics.
+
+Example::
+
+    >>> logits = torch.tensor([[[0.0, 0.0]]])           # one token, two equally likely choices
+    >>> logprobs_from_logits(logits, torch.tensor([[1]]))
+    tensor([[-0.6931]])
+    >>> entropy_from_logits(logits)
+    tensor([[0.6931]])
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[..., label]``: ``logits[..., V]``, ``labels[...]`` → ``[...]`` in fp32."""
+    logits = logits.float()
+    return -F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none").view(labels.shape)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``H = logsumexp(z) - Σ softmax(z)·z``, per position: ``logits[..., V]`` → ``[...]``."""
+    logits = logits.float()
+    probs = logits.softmax(-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``Σ values·mask`` (over ``dim``, or everything)."""
+    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``Σ values·mask / Σ mask``; 0 where the mask is empty.
+
+    Example::
+
+        >>> masked_mean(torch.tensor([1.0, 2.0, 9.0]), torch.tensor([1, 1, 0]))
+        tensor(1.5000)
+    """
+    return masked_sum(values, mask, dim) / masked_sum(torch.ones_like(values), mask, dim).clamp(min=1e-8)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of the masked values; ``unbiased`` divides by ``n - 1`` (needs ``n ≥ 2``).
+
+    Example::
+
+        >>> masked_var(torch.tensor([1.0, 3.0, 100.0]), torch.tensor([1, 1, 0]))
+        tensor(2.)
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        if n < 2:
+            raise ValueError(f"unbiased masked variance needs at least 2 unmasked values, got {int(n)}")
+        variance = variance * n / (n - 1)
+    return variance
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """``(x - mean) / sqrt(var + 1e-8)`` over the masked values (keep the mean if not ``shift_mean``).
+
+    Masked-out positions are transformed too; multiply by the mask to zero them.
+    """
+    mean, var = masked_mean(values, mask), masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean

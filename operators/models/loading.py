@@ -1,0 +1,196 @@
+"""One way in for every model: ``builtin:tiny`` or a local Hugging Face directory.
+
+``load_model(spec, head=...)`` returns ``(model, tokenizer)`` for the policy
+(``head="causal_lm"``), the critic (``"value"``: :class:`ValueModel`) or a reward
+model (``"reward"``: a sequence classifier with one label). Nothing is
+downloaded: a spec that is neither a builtin nor an existing directory is an
+error that names the path.
+
+Example::
+
+    >>> model, tok = load_model("builtin:tiny", seed=0)
+    >>> sum(p.numel() for p in model.parameters())
+    528640
+    >>> load_model("/no/such/dir")
+    Traceback (most recent call last):
+    ...
+    operators.models.loading.ModelLoadError: model '/no/such/dir': no such directory ...
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Union
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaForSequenceClassification,
+    LlamaModel,
+    PreTrainedTokenizerBase,
+)
+
+from operators.models.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
+from operators.models.value import ValueModel
+
+Head = Literal["causal_lm", "value", "reward"]
+DType = Union[str, torch.dtype]
+
+BUILTIN_MODELS = ("builtin:tiny",)
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+class ModelLoadError(ValueError):
+    """A model spec could not be turned into a model: says which spec and why."""
+
+
+def resolve_dtype(dtype: DType) -> torch.dtype:
+    """``"bf16"``/``"bfloat16"``/``torch.bfloat16`` → ``torch.bfloat16`` (and fp32, fp16).
+
+    Example::
+
+        >>> resolve_dtype("bf16")
+        torch.bfloat16
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def _check_dir(spec: str) -> Path:
+    if spec.startswith("builtin:"):
+        raise ModelLoadError(
+            f"model {spec!r}: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}"
+        )
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {spec!r}: no such directory ({path.resolve()}). Pass 'builtin:tiny' or the "
+            "path of a local Hugging Face model directory (nothing is downloaded)."
+        )
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"model {spec!r}: {path.resolve()} is not a Hugging Face model directory "
+            "(no config.json); save one with model.save_pretrained(path) and "
+            "tokenizer.save_pretrained(path)."
+        )
+    return path
+
+
+def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
+    """The tokenizer for ``spec``, with left padding and a pad token (falls back to eos).
+
+    Example::
+
+        >>> load_tokenizer("builtin:tiny").padding_side
+        'left'
+    """
+    if spec == "builtin:tiny":
+        return build_tiny_tokenizer()
+    path = _check_dir(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"model {spec!r}: cannot load its tokenizer from {path}: {err}") from err
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    spec: str,
+    *,
+    head: Head = "causal_lm",
+    dtype: DType = "float32",
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """Load ``(model, tokenizer)`` from ``builtin:tiny`` or a local HF directory.
+
+    ``head``: ``"causal_lm"`` (the policy), ``"value"`` (a :class:`ValueModel`:
+    the backbone plus a value head; the head is loaded from
+    ``value_head.safetensors`` when the directory has one, else initialised from
+    ``seed``) or ``"reward"`` (a one-label sequence classifier). ``seed`` fixes
+    the initial weights of ``builtin:tiny`` and of any new head; the global RNG
+    is not touched.
+
+    Example::
+
+        >>> policy, tok = load_model("builtin:tiny", dtype="bf16")
+        >>> policy.dtype
+        torch.bfloat16
+    """
+    torch_dtype = resolve_dtype(dtype)
+    tokenizer = load_tokenizer(spec)
+    if spec == "builtin:tiny":
+        model = _build_tiny(head, seed)
+    else:
+        model = _load_dir(_check_dir(spec), spec, head, seed, torch_dtype)
+    return model.to(device=device, dtype=torch_dtype), tokenizer
+
+
+def _build_tiny(head: Head, seed: int) -> torch.nn.Module:
+    if head == "causal_lm":
+        return build_tiny_model(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if head == "value":
+            return ValueModel(LlamaModel(tiny_config()), head_seed=seed)
+        if head == "reward":
+            config = tiny_config()
+            config.num_labels = 1
+            return LlamaForSequenceClassification(config)
+    raise ValueError(f"unknown head {head!r}; use 'causal_lm', 'value' or 'reward'")
+
+
+def _load_dir(path: Path, spec: str, head: Head, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    try:
+        if head == "causal_lm":
+            return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        if head == "value":
+            critic = ValueModel(AutoModel.from_pretrained(str(path), dtype=dtype), head_seed=seed)
+            critic.load_value_head(path)
+            return critic
+        if head == "reward":
+            config = AutoConfig.from_pretrained(str(path))
+            config.num_labels = 1
+            if config.pad_token_id is None:
+                config.pad_token_id = getattr(config, "eos_token_id", None)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                return AutoModelForSequenceClassification.from_pretrained(
+                    str(path), config=config, dtype=dtype
+                )
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelLoadError(f"model {spec!r}: cannot load it from {path} as head={head!r}: {err}") from err
+    raise ValueError(f"unknown head {head!r}; use 'causal_lm', 'value' or 'reward'")
+
+
+def save_model(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, path: str | Path) -> Path:
+    """Write ``model`` and ``tokenizer`` as one HF directory that :func:`load_model` reads back.
+
+    Example::
+
+        >>> model, tok = load_model("builtin:tiny")
+        >>> out = save_model(model, tok, tmp_dir / "tiny")          # doctest: +SKIP
+        >>> load_model(str(out))[0].config.hidden_size              # doctest: +SKIP
+        128
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
