@@ -1,0 +1,327 @@
+"""Prompt datasets in verl's schema, and a shuffling loader whose position can be saved.
+
+A row has ``prompt`` (a list of chat messages, or a plain string), ``data_source``,
+``reward_model`` (a dict with ``ground_truth``) and optionally ``extra_info``
+(a dict, may hold ``tools_kwargs``). :class:`PromptDataset` applies the
+tokenizer's chat template and the prompt-length policy; :class:`PromptLoader`
+cuts it into batches, reshuffling every epoch from ``(seed, epoch)``, so a
+saved ``{"epoch", "index"}`` reproduces the exact batches that follow.
+
+A batch (from :meth:`PromptDataset.collate`) is a plain dict:
+
+=================  ==========================  ====================================
+``input_ids``      ``int64[B, P]``              left-padded prompt token ids
+``attention_mask`` ``int64[B, P]``              1 on prompt tokens
+``position_ids``   ``int64[B, P]``              ``clip(cumsum(mask) - 1, 0)``
+``raw_prompt_ids`` ``object[B]``                each prompt's ids, unpadded (lists)
+``data_source``    ``object[B]``                e.g. ``"builtin:copy"``, ``"openai/gsm8k"``
+``ground_truth``   ``object[B]``                ``reward_model["ground_truth"]``
+``extra_info``     ``object[B]``                dicts
+``tools_kwargs``   ``object[B]``                ``extra_info.get("tools_kwargs", {})``
+``index``          ``int64[B]`` (numpy)         the row's position in the dataset
+=================  ==========================  ====================================
+
+Example::
+
+    >>> from operators.models import load_tokenizer
+    >>> tok = load_tokenizer("builtin:tiny")
+    >>> loader = PromptLoader(load_dataset("builtin:copy", tok), batch_size=4, seed=0)
+    >>> batch = loader.next_batch()
+    >>> batch["input_ids"].shape, batch["ground_truth"][0]
+    (torch.Size([4, 5]), '4 5')
+    >>> loader.state_dict()
+    {'epoch': 0, 'index': 4}
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from operators.data.tasks import TaskRows
+
+Truncation = Literal["left", "right", "error"]
+REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
+
+
+class DatasetError(ValueError):
+    """A dataset file or row does not fit the verl schema: names the file, row and column."""
+
+
+def read_rows(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a ``.parquet`` or ``.jsonl`` file as dicts, after checking the required columns.
+
+    Example::
+
+        >>> read_rows("missing.parquet")
+        Traceback (most recent call last):
+        ...
+        FileNotFoundError: dataset file 'missing.parquet' does not exist ...
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file '{path}' does not exist (resolved: {path.resolve()})")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path)
+        columns, rows = table.column_names, table.to_pylist()
+    elif suffix in (".jsonl", ".json"):
+        rows = []
+        with path.open() as f:
+            for line_no, line in enumerate(f, start=1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as err:
+                        raise DatasetError(f"{path}: line {line_no} is not valid JSON: {err}") from err
+        columns = sorted({key for row in rows for key in row})
+    else:
+        raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
+    for column in REQUIRED_COLUMNS:
+        if column not in columns:
+            raise DatasetError(
+                f"{path}: missing required column {column!r} (found: {', '.join(columns) or 'none'}); "
+                f"verl-format rows need {', '.join(REQUIRED_COLUMNS)} and optionally extra_info"
+            )
+    for i, row in enumerate(rows):
+        if column_missing := [c for c in REQUIRED_COLUMNS if row.get(c) is None]:
+            raise DatasetError(f"{path}: row {i} has no value for column {column_missing[0]!r}")
+    return rows
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``clip(cumsum(mask) - 1, min=0)``: positions count only real tokens (left padding → 0).
+
+    Example::
+
+        >>> position_ids_from_mask(torch.tensor([[0, 0, 1, 1, 1]]))
+        tensor([[0, 0, 0, 1, 2]])
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_id: int, length: int | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists to ``length`` (default: the longest); return ``(ids, mask)``.
+
+    Example::
+
+        >>> left_pad([[5, 6], [7]], pad_id=0)
+        (tensor([[5, 6],
+                [0, 7]]), tensor([[1, 1],
+                [0, 1]]))
+    """
+    length = max((len(s) for s in sequences), default=0) if length is None else length
+    ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), length), dtype=torch.long)
+    for i, seq in enumerate(sequences):
+        if seq:
+            ids[i, length - len(seq):] = torch.as_tensor(list(seq), dtype=torch.long)
+            mask[i, length - len(seq):] = 1
+    return ids, mask
+
+
+class PromptDataset:
+    """Rows in verl's schema, tokenized with the chat template, under a prompt-length policy.
+
+    ``max_prompt_length``: ``None`` pads each batch to its longest prompt; an int
+    pads every batch to exactly that width, and a longer prompt is dropped
+    (``filter_overlong_prompts=True``, decided once at construction) or cut
+    (``truncation="left"`` keeps its end, ``"right"`` its start) or is an error
+    (``"error"``, naming the row).
+    """
+
+    def __init__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_prompt_length: int | None = None,
+        truncation: Truncation = "error",
+        filter_overlong_prompts: bool = False,
+        name: str = "<rows>",
+    ):
+        if truncation not in ("left", "right", "error"):
+            raise ValueError(f"truncation must be 'left', 'right' or 'error', got {truncation!r}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise DatasetError(
+                f"{name}: the tokenizer has no chat template, so chat-message prompts cannot be "
+                "formatted; use a tokenizer saved with one (tokenizer.chat_template = ...)"
+            )
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.name = name
+        self._cache: dict[str, list[int]] = {}
+        self.row_ids: Sequence[int] = range(len(rows))
+        if filter_overlong_prompts and max_prompt_length is not None:
+            self.row_ids = [i for i in range(len(rows))
+                            if len(self._encode(rows[i]["prompt"])) <= max_prompt_length]
+
+    @classmethod
+    def from_file(cls, path: str | Path, tokenizer: PreTrainedTokenizerBase, **kwargs: Any) -> "PromptDataset":
+        """Read a ``.parquet``/``.jsonl`` file in verl's schema (see :func:`read_rows`)."""
+        return cls(read_rows(path), tokenizer, name=str(path), **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.row_ids)
+
+    def _encode(self, prompt: Any) -> list[int]:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        key = json.dumps(messages, sort_keys=True, default=str)
+        if key not in self._cache:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            self._cache[key] = self.tokenizer.encode(text, add_special_tokens=False)
+        return self._cache[key]
+
+    def prompt_ids(self, i: int) -> list[int]:
+        """Token ids of row ``i`` (``i`` indexes the kept rows), after truncation."""
+        row_id = self.row_ids[i]
+        ids = self._encode(self.rows[row_id]["prompt"])
+        limit = self.max_prompt_length
+        if limit is None or len(ids) <= limit:
+            return ids
+        if self.truncation == "left":
+            return ids[-limit:]
+        if self.truncation == "right":
+            return ids[:limit]
+        raise DatasetError(
+            f"{self.name}: row {row_id} has a {len(ids)}-token prompt, over max_prompt_length={limit}; "
+            "raise max_prompt_length, set truncation to 'left' or 'right', or filter_overlong_prompts"
+        )
+
+    def collate(self, indices: Sequence[int]) -> dict[str, Any]:
+        """The batch of rows ``indices`` (positions among the kept rows), as documented above."""
+        prompts = [self.prompt_ids(i) for i in indices]
+        rows = [self.rows[self.row_ids[i]] for i in indices]
+        input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_token_id, self.max_prompt_length)
+        extra = [dict(row.get("extra_info") or {}) for row in rows]
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids_from_mask(attention_mask),
+            "raw_prompt_ids": _objects(prompts),
+            "data_source": _objects([row["data_source"] for row in rows]),
+            "ground_truth": _objects([_ground_truth(row, self.name, self.row_ids[i])
+                                      for row, i in zip(rows, indices)]),
+            "extra_info": _objects(extra),
+            "tools_kwargs": _objects([e.get("tools_kwargs") or {} for e in extra]),
+            "index": np.asarray([self.row_ids[i] for i in indices], dtype=np.int64),
+        }
+
+
+def _objects(values: list[Any]) -> np.ndarray:
+    out = np.empty(len(values), dtype=object)
+    for i, value in enumerate(values):  # item by item: equal-length lists must stay lists
+        out[i] = value
+    return out
+
+
+def _ground_truth(row: Mapping[str, Any], name: str, row_id: int) -> Any:
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
+        raise DatasetError(f"{name}: row {row_id}: column 'reward_model' needs a 'ground_truth' key")
+    return reward_model["ground_truth"]
+
+
+def load_dataset(
+    source: str,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    seed: int = 0,
+    task_size: int = 100_000,
+    **kwargs: Any,
+) -> PromptDataset:
+    """``builtin:<task>`` (generated from ``seed``, ``task_size`` rows) or a parquet/jsonl path.
+
+    ``kwargs`` go to :class:`PromptDataset` (``max_prompt_length``, ``truncation``,
+    ``filter_overlong_prompts``).
+
+    Example::
+
+        >>> ds = load_dataset("builtin:reverse", tok, seed=1, task_size=8)   # doctest: +SKIP
+        >>> len(ds)                                                           # doctest: +SKIP
+        8
+    """
+    if source.startswith("builtin:"):
+        return PromptDataset(TaskRows(source, size=task_size, seed=seed), tokenizer, name=source, **kwargs)
+    return PromptDataset.from_file(source, tokenizer, **kwargs)
+
+
+class PromptLoader:
+    """Batches of a :class:`PromptDataset`, reshuffled every epoch, resumable exactly.
+
+    The order of epoch ``e`` is a permutation drawn from ``(seed, e)``; the
+    position is ``(epoch, index)`` with ``index`` rows of that order consumed.
+    With ``drop_last`` a short tail starts the next epoch instead.
+
+    Example::
+
+        >>> a = PromptLoader(ds, batch_size=2, seed=0)                    # doctest: +SKIP
+        >>> _ = a.next_batch(); state = a.state_dict()                    # doctest: +SKIP
+        >>> b = PromptLoader(ds, batch_size=2, seed=0); b.load_state_dict(state)  # doctest: +SKIP
+        >>> (a.next_batch()["index"] == b.next_batch()["index"]).all()   # doctest: +SKIP
+        True
+    """
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool = True,
+                 seed: int = 0, drop_last: bool = True):
+        if batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {batch_size}")
+        if len(dataset) == 0:
+            raise DatasetError(f"{dataset.name}: no rows left (after filtering overlong prompts)")
+        if drop_last and batch_size > len(dataset):
+            raise DatasetError(f"{dataset.name}: batch_size={batch_size} exceeds its {len(dataset)} rows")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.index = 0
+        self._order_epoch = -1
+        self._order: np.ndarray = np.arange(0)
+
+    def _epoch_order(self) -> np.ndarray:
+        if self._order_epoch != self.epoch:
+            n = len(self.dataset)
+            self._order = (np.random.default_rng((self.seed, self.epoch)).permutation(n)
+                           if self.shuffle else np.arange(n))
+            self._order_epoch = self.epoch
+        return self._order
+
+    def next_indices(self) -> np.ndarray:
+        """Dataset positions of the next batch, advancing the position."""
+        order = self._epoch_order()
+        left = len(order) - self.index
+        if left == 0 or (self.drop_last and left < self.batch_size):
+            self.epoch, self.index = self.epoch + 1, 0
+            order = self._epoch_order()
+        chosen = order[self.index:self.index + self.batch_size]
+        self.index += len(chosen)
+        return chosen
+
+    def next_batch(self) -> dict[str, Any]:
+        """The next batch (see the module docstring for its columns)."""
+        return self.dataset.collate(self.next_indices().tolist())
+
+    def __iter__(self) -> "PromptLoader":
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        return self.next_batch()
+
+    def state_dict(self) -> dict[str, int]:
+        """``{"epoch", "index"}``: enough, with the same dataset and seed, to resume exactly."""
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])

@@ -1,0 +1,122 @@
+"""Score a batch of responses with a rule or user function, and place scores on tokens.
+
+``fn`` names the reward: ``"auto"`` (by ``data_source``: ``builtin:*`` → the
+task's token reward, anything containing ``gsm8k`` → :func:`gsm8k_score`),
+``"task"``, ``"gsm8k"``, ``"exact"``, ``"partial"``, or an import path
+``"pkg.mod:fn"`` / ``"file.py:fn"`` (see :mod:`operators.rewards.user_fn`).
+
+Example::
+
+    >>> from operators.models import load_tokenizer
+    >>> tok = load_tokenizer("builtin:tiny")
+    >>> responses = torch.tensor([[7, 11, 2, 0], [7, 9, 9, 2]])     # "3 7 <eos>", "3 5 5 <eos>"
+    >>> mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    >>> scores, extras = compute_scores(responses, mask, data_source=["builtin:copy"] * 2,
+    ...                                 ground_truth=["3 7", "3 7"], tokenizer=tok)
+    >>> scores
+    tensor([1.0000, 0.3333])
+    >>> place_at_last_token(scores, mask)
+    tensor([[0.0000, 0.0000, 1.0000, 0.0000],
+            [0.0000, 0.0000, 0.0000, 0.3333]])
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from operators.rewards.rule import (
+    exact_match_score,
+    gsm8k_score,
+    partial_match_score,
+    task_token_score,
+)
+from operators.rewards.user_fn import load_reward_fn, split_score
+
+NAMED_REWARDS: dict[str, Callable[..., Any]] = {
+    "task": task_token_score,
+    "gsm8k": gsm8k_score,
+    "exact": exact_match_score,
+    "partial": partial_match_score,
+}
+
+
+def resolve_reward_fn(fn: str | Callable[..., Any]) -> Callable[..., Any] | None:
+    """The callable ``fn`` names; ``None`` for ``"auto"`` (chosen per row from ``data_source``)."""
+    if callable(fn):
+        return fn
+    if fn == "auto":
+        return None
+    if fn in NAMED_REWARDS:
+        return NAMED_REWARDS[fn]
+    if ":" in fn:
+        return load_reward_fn(fn)
+    raise ValueError(
+        f"unknown reward function {fn!r}; use 'auto', {', '.join(repr(k) for k in NAMED_REWARDS)}, "
+        "or an import path 'pkg.module:fn' / 'path/to/file.py:fn'"
+    )
+
+
+def auto_reward_fn(data_source: str) -> Callable[..., Any]:
+    """The rule reward for a ``data_source``; an error that says what to pass when there is none."""
+    if data_source.startswith("builtin:"):
+        return task_token_score
+    if "gsm8k" in data_source.lower():
+        return gsm8k_score
+    raise ValueError(
+        f"no builtin rule reward for data_source {data_source!r}; pass fn='exact', 'partial' "
+        "or your own 'pkg.module:compute_score'"
+    )
+
+
+def compute_scores(
+    responses: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    data_source: Sequence[str],
+    ground_truth: Sequence[Any],
+    tokenizer: PreTrainedTokenizerBase,
+    extra_info: Sequence[dict | None] | None = None,
+    fn: str | Callable[..., Any] = "auto",
+) -> tuple[torch.Tensor, dict[str, list]]:
+    """One scalar per response: ``(scores float32[B], extras)``.
+
+    ``extras`` gathers the non-score keys of dict results (``None`` where a row
+    had none), for metrics. Token rewards see ``responses[i][response_mask[i]]``;
+    text rewards see it decoded with special tokens skipped.
+    """
+    chosen = resolve_reward_fn(fn)
+    extra_info = extra_info if extra_info is not None else [None] * len(responses)
+    target_cache: dict[str, list[int]] = {}
+    scores, extras = [], defaultdict(lambda: [None] * len(responses))
+    for i, (ids, mask) in enumerate(zip(responses, response_mask)):
+        row_fn = chosen if chosen is not None else auto_reward_fn(str(data_source[i]))
+        response_ids = ids[mask.bool()].tolist()
+        if getattr(row_fn, "scores_token_ids", False):
+            truth = str(ground_truth[i])
+            if truth not in target_cache:
+                target_cache[truth] = tokenizer.encode(truth, add_special_tokens=False)
+            result = row_fn(response_ids, target_cache[truth], tokenizer.eos_token_id)
+        else:
+            solution = tokenizer.decode(response_ids, skip_special_tokens=True)
+            result = row_fn(data_source[i], solution, ground_truth[i], extra_info[i] or {})
+        score, row_extras = split_score(result)
+        scores.append(score)
+        for key, value in row_extras.items():
+            extras[key][i] = value
+    return torch.tensor(scores, dtype=torch.float32), dict(extras)
+
+
+def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``token_level_scores[B, R]``: each score at its response's last valid token, 0 elsewhere.
+
+    A response with no valid token gets nothing (its score is dropped).
+    """
+    token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
+    lengths = response_mask.long().sum(-1)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    token_level_scores[rows, lengths[rows] - 1] = scores.to(token_level_scores)[rows]
+    return token_level_scores

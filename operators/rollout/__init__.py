@@ -1,0 +1,23 @@
+"""Rollout engines: prompts in, responses + masks + log-probs out.
+
+``HFRolloutEngine`` (transformers, CPU or GPU) runs anywhere; ``SGLangRolloutEngine``
+needs a GPU and sglang, which it imports only when constructed.
+
+Example::
+
+    >>> from operators.models import load_model
+    >>> from operators.rollout import HFRolloutEngine, SamplingParams
+    >>> model, tok = load_model("builtin:tiny")
+    >>> engine = HFRolloutEngine(model, tok, seed=0)
+    >>> out = engine.generate(batch["input_ids"], batch["attention_mask"],
+    ...                       SamplingParams(n=8, max_new_tokens=8))      # doctest: +SKIP
+"""
+
+from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses, rollout_output
+from operators.rollout.hf_engine import HFRolloutEngine, filter_top_k_top_p, sample_next_token
+from operators.rollout.sglang_engine import SGLangRolloutEngine  # imports sglang only when constructed
+
+__all__ = [
+    "RolloutEngine", "SamplingParams", "pad_responses", "rollout_output",
+    "HFRolloutEngine", "filter_top_k_top_p", "sample_next_token", "SGLangRolloutEngine",
+]

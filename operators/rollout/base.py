@@ -1,0 +1,130 @@
+"""The rollout-engine interface every backend implements, and its sampling parameters.
+
+An engine turns left-padded prompts into responses. ``generate`` returns a dict
+of tensors (``n`` samples per prompt, each prompt's samples adjacent):
+
+=====================  ==================  ==========================================
+``prompts``            ``int64[N, P]``      the prompt of each sample (left-padded)
+``responses``          ``int64[N, R]``      sampled tokens, ``pad`` after the stop token
+``response_mask``      ``int64[N, R]``      1 up to and including the stop token
+``input_ids``          ``int64[N, P + R]``  ``prompts ‖ responses``
+``attention_mask``     ``int64[N, P + R]``  prompt mask ‖ response mask
+``position_ids``       ``int64[N, P + R]``  ``clip(cumsum(attention_mask) - 1, 0)``
+``rollout_log_probs``  ``float32[N, R]``    log-prob of each sampled token, 0 where masked
+=====================  ==================  ==========================================
+
+with ``N = B·n`` and ``R = max_new_tokens``. ``rollout_log_probs`` is
+``log softmax(logits / T)`` at the sampled token (``T = 1`` when greedy), taken
+before top-k/top-p truncation: the quantity the actor recomputes as its old
+log-prob, so the two agree up to numerics.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Mapping, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from operators.data.dataset import position_ids_from_mask
+
+
+class SamplingParams(BaseModel):
+    """How to sample. ``greedy`` (or ``temperature == 0``) picks the argmax; validation uses it.
+
+    Example::
+
+        >>> SamplingParams(n=8, max_new_tokens=8).temperature
+        1.0
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    n: int = Field(1, ge=1)
+    max_new_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    #: nucleus sampling: keep the smallest set of tokens with probability ≥ top_p
+    top_p: float = Field(1.0, gt=0, le=1)
+    #: keep the top_k most likely tokens; 0 or -1 disables
+    top_k: int = Field(-1, ge=-1)
+    greedy: bool = False
+    #: a fresh generator seeded with this for this call; ``None`` uses the engine's own
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.greedy or self.temperature == 0
+
+
+class RolloutEngine(abc.ABC):
+    """Generates responses, takes new weights, and gives its memory back between rollouts."""
+
+    @abc.abstractmethod
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 params: SamplingParams | None = None, **overrides: Any) -> dict[str, torch.Tensor]:
+        """A batch of left-padded prompts → the dict in the module docstring.
+
+        ``overrides`` are :class:`SamplingParams` fields applied over ``params``.
+        """
+
+    @abc.abstractmethod
+    async def generate_one(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                           **overrides: Any) -> dict[str, Any]:
+        """One request (``n`` is ignored): ``{"response_ids", "log_probs", "finish_reason"}``.
+
+        ``finish_reason`` is ``"stop"`` (a stop token ended it, and is its last
+        id) or ``"length"`` (``max_new_tokens`` reached).
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load the policy's new weights (parameter names as in the HF model's ``state_dict``)."""
+
+    @abc.abstractmethod
+    def release_memory(self) -> None:
+        """Free the engine's accelerator memory (weights, KV cache) until :meth:`resume_memory`."""
+
+    @abc.abstractmethod
+    def resume_memory(self) -> None:
+        """Take the memory back; the weights are those of the last :meth:`update_weights`."""
+
+    @staticmethod
+    def resolve(params: SamplingParams | None, overrides: Mapping[str, Any]) -> SamplingParams:
+        params = params or SamplingParams()
+        return SamplingParams(**{**params.model_dump(), **overrides}) if overrides else params
+
+
+def rollout_output(prompts: torch.Tensor, prompt_mask: torch.Tensor, responses: torch.Tensor,
+                   response_mask: torch.Tensor, rollout_log_probs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Assemble the dict in the module docstring from its parts (prompts already repeated ``n`` times)."""
+    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=-1)
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "response_mask": response_mask.long(),
+        "input_ids": torch.cat([prompts, responses], dim=-1),
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_mask(attention_mask),
+        "rollout_log_probs": rollout_log_probs.float(),
+    }
+
+
+def pad_responses(token_lists: Sequence[Sequence[int]], log_prob_lists: Sequence[Sequence[float]],
+                  length: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad per-request token and log-prob lists to ``length``: ``(responses, response_mask, log_probs)``.
+
+    Example::
+
+        >>> pad_responses([[5, 2]], [[-0.5, -0.1]], length=3, pad_token_id=0)[0]
+        tensor([[5, 2, 0]])
+    """
+    responses = torch.full((len(token_lists), length), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(token_lists), length), dtype=torch.long)
+    log_probs = torch.zeros((len(token_lists), length), dtype=torch.float32)
+    for i, (tokens, lps) in enumerate(zip(token_lists, log_prob_lists)):
+        tokens, lps = list(tokens)[:length], list(lps)[:length]
+        responses[i, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        response_mask[i, :len(tokens)] = 1
+        log_probs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+    return responses, response_mask, log_probs

@@ -1,0 +1,213 @@
+"""The transformers rollout engine: a lean sampling loop over the model's KV cache (CPU or GPU).
+
+Each distinct prompt is prefilled once and its KV cache copied to its ``n``
+samples; then one forward per new token with ``past_key_values``. Finished
+rows keep stepping with ``pad`` (masked out) until every row has stopped or
+``max_new_tokens`` is reached. The log-probs come out of the loop, with no
+second pass. On ``builtin:tiny`` (32 prompts × 8 samples, 8 tokens, one core)
+it measured ~1.4× faster than ``model.generate(output_scores=True)``; the
+model's own matmuls dominate both (``benchmarks/plain_grpo.py --compare-generate``).
+
+Example::
+
+    >>> from operators.models import load_model
+    >>> model, tok = load_model("builtin:tiny")
+    >>> engine = HFRolloutEngine(model, tok, seed=0)
+    >>> prompt = torch.tensor([[1, 20, 7, 11, 16]])                 # "<bos>copy 3 7 ="
+    >>> out = engine.generate(prompt, torch.ones_like(prompt), n=4, max_new_tokens=8)
+    >>> out["responses"].shape, out["input_ids"].shape
+    (torch.Size([4, 8]), torch.Size([4, 13]))
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Iterable, Mapping
+
+import torch
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from operators.data.dataset import position_ids_from_mask
+from operators.rollout.base import RolloutEngine, SamplingParams, rollout_output
+
+
+def filter_top_k_top_p(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
+    """Set to ``-inf`` the logits outside the top ``top_k`` and outside the ``top_p`` nucleus.
+
+    The most likely token always survives.
+
+    Example::
+
+        >>> filter_top_k_top_p(torch.tensor([[3.0, 2.0, 1.0]]), top_k=2)
+        tensor([[3., 2., -inf]])
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token when the tokens ranked above it already hold top_p of the mass
+        drop_sorted = probs.cumsum(-1) - probs >= top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_next_token(logits: torch.Tensor, params: SamplingParams,
+                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token[B], log_prob[B])`` from last-position ``logits[B, V]``.
+
+    ``log_prob`` is ``log softmax(logits / T)`` at the token, before truncation.
+    """
+    logits = logits.float()
+    if params.is_greedy:
+        token = logits.argmax(-1)
+        log_probs = logits.log_softmax(-1)
+    else:
+        scaled = logits / params.temperature
+        log_probs = scaled.log_softmax(-1)
+        probs = filter_top_k_top_p(scaled, params.top_k, params.top_p).softmax(-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Samples from a transformers causal LM; reproducible from ``seed``.
+
+    ``stop_token_ids`` default to the tokenizer's EOS plus the model's
+    ``generation_config.eos_token_id``. The engine owns a generator seeded with
+    ``seed``: the same seed and the same sequence of calls give the same
+    samples. ``SamplingParams.seed`` overrides it for one call.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        *,
+        pad_token_id: int | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        seed: int = 0,
+        device: str | torch.device | None = None,
+    ):
+        self.model = model.eval()
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.model.to(self.device)
+        if pad_token_id is None:
+            if tokenizer is None or tokenizer.pad_token_id is None:
+                raise ValueError("HFRolloutEngine needs pad_token_id, or a tokenizer with a pad token")
+            pad_token_id = tokenizer.pad_token_id
+        self.pad_token_id = int(pad_token_id)
+        if stop_token_ids is None:
+            stop_token_ids = _default_stop_ids(model, tokenizer)
+        self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=self.device)
+        if self.stop_token_ids.numel() == 0:
+            raise ValueError("HFRolloutEngine needs at least one stop token id (the tokenizer has no EOS)")
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._released = False
+        self._lock = threading.Lock()
+
+    # --- generation -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 params: SamplingParams | None = None, **overrides: Any) -> dict[str, torch.Tensor]:
+        params = self.resolve(params, overrides)
+        if self._released:
+            raise RuntimeError("the rollout engine's memory is released; call resume_memory() first")
+        generator = self.generator
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device).long()
+        with self._lock:
+            responses, response_mask, log_probs = self._sample(input_ids, attention_mask, params, generator)
+        prompts = input_ids.repeat_interleave(params.n, dim=0)
+        prompt_mask = attention_mask.repeat_interleave(params.n, dim=0)
+        return rollout_output(prompts, prompt_mask, responses, response_mask, log_probs)
+
+    def _sample(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        # prefill each prompt once, then give each of its n samples a copy of the KV cache
+        cache = DynamicCache()
+        positions = position_ids_from_mask(prompt_mask)
+        logits = self.model(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True).logits[:, -1]
+        if params.n > 1:
+            cache.batch_repeat_interleave(params.n)
+            logits = logits.repeat_interleave(params.n, dim=0)
+        mask = prompt_mask.repeat_interleave(params.n, dim=0)
+        next_position = positions[:, -1:].repeat_interleave(params.n, dim=0) + 1
+
+        batch, max_new = mask.shape[0], params.max_new_tokens
+        responses = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=self.device)
+        response_mask = torch.zeros((batch, max_new), dtype=torch.long, device=self.device)
+        log_probs = torch.zeros((batch, max_new), dtype=torch.float32, device=self.device)
+        alive = torch.ones(batch, dtype=torch.bool, device=self.device)
+        for t in range(max_new):
+            token, log_prob = sample_next_token(logits, params, generator)
+            token = token.masked_fill(~alive, self.pad_token_id)
+            responses[:, t] = token
+            response_mask[:, t] = alive
+            log_probs[:, t] = log_prob.masked_fill(~alive, 0.0)
+            alive = alive & ~torch.isin(token, self.stop_token_ids)
+            if t == max_new - 1 or not alive.any():
+                break
+            mask = torch.cat([mask, response_mask[:, t:t + 1]], dim=-1)
+            logits = self.model(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=next_position,
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            next_position = next_position + 1
+        return responses, response_mask, log_probs
+
+    async def generate_one(self, prompt_ids: list[int], params: SamplingParams | None = None,
+                           **overrides: Any) -> dict[str, Any]:
+        params = self.resolve(params, {**overrides, "n": 1})
+        ids = torch.tensor([prompt_ids], dtype=torch.long)
+        out = await asyncio.to_thread(self.generate, ids, torch.ones_like(ids), params)
+        length = int(out["response_mask"][0].sum())
+        response_ids = out["responses"][0, :length].tolist()
+        stopped = length > 0 and response_ids[-1] in self.stop_token_ids.tolist()
+        return {
+            "response_ids": response_ids,
+            "log_probs": out["rollout_log_probs"][0, :length].tolist(),
+            "finish_reason": "stop" if stopped else "length",
+        }
+
+    # --- weights and memory -----------------------------------------------------------------
+
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        with self._lock:
+            self.model.load_state_dict(dict(state_dict), strict=True)
+
+    def release_memory(self) -> None:
+        """On a GPU, move the weights to host memory; on CPU there is nothing to free."""
+        with self._lock:
+            if self.device.type == "cuda":
+                self.model.to("cpu")
+                torch.cuda.empty_cache()
+            self._released = True
+
+    def resume_memory(self) -> None:
+        with self._lock:
+            self.model.to(self.device)
+            self._released = False
+
+    # --- reproducibility --------------------------------------------------------------------
+
+    def rng_state(self) -> torch.Tensor:
+        """The engine generator's state, for a checkpoint."""
+        return self.generator.get_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.generator.set_state(state)
+
+
+def _default_stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if config_eos is not None:
+        ids.update(int(i) for i in ([config_eos] if isinstance(config_eos, int) else config_eos))
+    return ids
