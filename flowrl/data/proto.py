@@ -490,6 +490,7 @@ class DataProto:
 
         Tensors have their torch dtype (``"int64"``), non-tensor columns
         ``"object"``, meta_info keys kind ``"meta"`` (a column wins a name clash).
+        Ragged dims of a jagged nested tensor are ``"*"``.
 
         Example::
 
@@ -501,9 +502,9 @@ class DataProto:
         if self.batch is not None:
             for key, tensor in self.batch.items(include_nested=True, leaves_only=True):
                 name = ".".join(key) if isinstance(key, tuple) else key
-                out[name] = Field(
-                    name=name, dtype=str(tensor.dtype).removeprefix("torch."), shape=tuple(tensor.shape), kind="tensor"
-                )
+                # a jagged (nested) tensor's ragged dims have no size: "*"
+                shape = tuple(d if isinstance(d, int) else "*" for d in tensor.shape)
+                out[name] = Field(name=name, dtype=str(tensor.dtype).removeprefix("torch."), shape=shape, kind="tensor")
         for key, column in self.non_tensor_batch.items():
             out[key] = Field(name=key, dtype="object", shape=tuple(column.shape), kind="non_tensor")
         for key in self.meta_info:
@@ -588,7 +589,8 @@ class DataProto:
                 meta_info=self.meta_info,
             )
         raise TypeError(
-            f"cannot index a DataProto with {type(item).__name__}; use an int, slice, list, ndarray, tensor or bool mask"
+            f"cannot index a DataProto with {type(item).__name__}; use an int, slice, list, ndarray, tensor, "
+            "bool mask or a column name"
         )
 
     def __repr__(self) -> str:

@@ -192,19 +192,27 @@ def serialize_tensordict(batch: TensorDict) -> tuple[tuple[int, ...], str | None
         ((2,), None, ('float32', (2, 3)))
     """
     encoded: dict[Any, Any] = {}
-    for key, value in batch.items(include_nested=True, leaves_only=True):
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"cannot serialise batch[{key!r}] of type {type(value).__name__}: "
-                "a DataProto batch holds tensors only; put other values in non_tensor_batch"
-            )
-        if value.is_nested:
-            layout = str(value.layout).removeprefix("torch.")
-            encoded[key] = (layout, [serialize_single_tensor(row) for row in value.unbind()])
-        else:
-            encoded[key] = serialize_single_tensor(value)
+    _encode_items(batch, (), encoded)
     device = str(batch.device) if batch.device is not None else None
     return tuple(batch.batch_size), device, encoded
+
+
+def _encode_items(batch: TensorDict, prefix: tuple[str, ...], encoded: dict[Any, Any]) -> None:
+    for key, value in batch.items():
+        path = prefix + (key,)
+        name = path if prefix else key  # nested TensorDicts appear under tuple keys
+        if isinstance(value, TensorDict):
+            _encode_items(value, path, encoded)
+        elif not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"cannot serialise batch[{name!r}] of type {type(value).__name__}: "
+                "a DataProto batch holds tensors only; put other values in non_tensor_batch"
+            )
+        elif value.is_nested:
+            layout = str(value.layout).removeprefix("torch.")
+            encoded[name] = (layout, [serialize_single_tensor(row) for row in value.unbind()])
+        else:
+            encoded[name] = serialize_single_tensor(value)
 
 
 def _target_device(device: str | None) -> str | None:
