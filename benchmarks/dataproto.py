@@ -17,6 +17,7 @@ printed relative to the payload (1.00x = no extra copy).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import pickle
 import statistics
@@ -88,9 +89,11 @@ def median_ms(candidates: dict[str, tuple[Callable, Callable | None]], min_runs:
     ):
         for name, (fn, setup) in candidates.items():
             arg = setup() if setup else None
+            gc.disable()  # as timeit does: a collection triggered by the other side's garbage is noise
             t0 = time.perf_counter()
             fn(arg)
             times[name].append(time.perf_counter() - t0)
+            gc.enable()
     return {name: statistics.median(ts) * 1e3 for name, ts in times.items()}
 
 
@@ -178,13 +181,13 @@ def status(field):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
 
-impl, mode = sys.argv[1], sys.argv[2]
+impl, mode, address = sys.argv[1], sys.argv[2], sys.argv[3]
 data = make_data()
 payload = payload_bytes(data)
 ray = None
 if mode == "ray":
     import ray
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address=address, log_to_driver=False)  # the parent's cluster: no second start-up
 if impl == "numpy-dict":
     obj = {{k: v.numpy() for k, v in data.items() if isinstance(v, torch.Tensor)}}
 else:
@@ -205,12 +208,14 @@ print((payload + extra) / payload, (payload + max(0, extra - shm)) / payload)
 """
 
 
-def peak_ratio(impl: str, mode: str) -> tuple[float, float] | None:
+def peak_ratio(impl: str, mode: str, address: str = "") -> tuple[float, float] | None:
     """(peak RSS, peak RSS less the object store's shared pages) of one round trip / payload,
     measured in a fresh interpreter."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = _MEMORY_CHILD.format(root=root)
-    proc = subprocess.run([sys.executable, "-c", code, impl, mode], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, impl, mode, address], capture_output=True, text=True, timeout=120
+    )
     if proc.returncode != 0:
         print(f"memory measurement {impl}/{mode} failed:\n{proc.stderr[-2000:]}")
         return None
@@ -238,6 +243,7 @@ def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
 
 
 def main() -> None:
+    started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-ray", action="store_true", help="skip the ray.put/ray.get rows")
     args = parser.parse_args()
@@ -277,13 +283,14 @@ def main() -> None:
     for name, DataProto in impls.items():
         print(f"{name}: " + "; ".join(storage_sharing(DataProto, data)))
 
+    address = ray.get_runtime_context().gcs_address if ray is not None else ""
     mem_rows = []
     runs = [("pickle protocol 5 + buffers", "pickle", list(impls))]
     if not args.no_ray:
         runs.append(("ray.put + ray.get", "ray", list(impls) + ["flowrl-copy", "numpy-dict"]))
     for label, mode, names in runs:
         for impl in names:
-            ratio = peak_ratio(impl, mode)
+            ratio = peak_ratio(impl, mode, address)
             shown = ["failed", "failed"] if ratio is None else [f"{ratio[0]:.2f}x", f"{ratio[1]:.2f}x"]
             mem_rows.append([label, impl, *shown])
     print_table(
@@ -292,6 +299,7 @@ def main() -> None:
         mem_rows,
     )
     print("flowrl-copy: the copy read-only policy; numpy-dict: the same tensors as a dict of numpy arrays")
+    print(f"total {time.perf_counter() - started:.0f} s")
 
 if __name__ == "__main__":
     main()

@@ -60,7 +60,7 @@ __all__ = [
     "list_of_dict_to_dict_of_list",
 ]
 
-Index = int | np.integer | slice | Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor
+Index = int | np.integer | slice | Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor | str
 
 #: meta_info key that turns auto padding on for one DataProto (set by ``auto_padding=True``)
 AUTO_PADDING_KEY = "_flowrl_auto_padding"
@@ -273,6 +273,19 @@ class DataProto:
 
     Build one with :meth:`from_dict` / :meth:`from_single_dict`; every
     operation keeps the row order and the ``B`` rows of every column together.
+    ``select``, ``pop``, ``union``, slices, ``chunk`` and ``split`` share the
+    tensors' memory; indexing, ``concat`` and ``repeat`` make new tensors.
+
+    Pickling never copies a contiguous tensor: with protocol 5 and a
+    ``buffer_callback`` (what Ray does) each tensor leaves as an out-of-band
+    buffer of its own memory. What comes back from Ray's object store is a
+    *read-only view* of the store (zero-copy; the default policy): torch cannot
+    mark a tensor read-only, so an in-place write would not crash — it would
+    change the stored object for every other reader. Such columns are listed in
+    :attr:`readonly_keys`; call :meth:`to_writable` (copies just those columns)
+    before writing into them in place, or choose the ``"copy"`` policy
+    (``FLOWRL_READONLY_POLICY=copy``) to always receive private tensors at the
+    price of one copy. The trade-off is measured in :mod:`flowrl.data.serialize`.
 
     Example::
 
@@ -657,6 +670,9 @@ class DataProto:
             >>> list(dp.select(batch_keys=["b"]).batch.keys())
             ['b']
         """
+        batch_keys = None if batch_keys is None else list(batch_keys)
+        non_tensor_batch_keys = None if non_tensor_batch_keys is None else list(non_tensor_batch_keys)
+        meta_info_keys = None if meta_info_keys is None else list(meta_info_keys)
         try:
             # New containers (sharing the tensors), so mutating the selection never
             # changes self — verl returns self.batch itself when batch_keys is None.
