@@ -214,6 +214,26 @@ def _as_index(idxs: Any, n: int) -> tuple[torch.Tensor, np.ndarray]:
     return idx, idx.numpy()
 
 
+def _dataloader_epoch_order(n: int, shuffle: bool, generator: torch.Generator | None) -> torch.Tensor | None:
+    """One epoch's row order, drawn as ``DataLoader(shuffle=shuffle, generator=generator)`` draws it.
+
+    The DataLoader's iterator first draws a base seed from ``generator`` (the
+    global RNG when None); ``RandomSampler`` then draws its permutation, and one
+    more (for the ``num_samples % n == 0`` remainder) when the epoch is read to
+    its end. Drawing the same keeps a ported verl run's mini-batches — and its
+    RNG state — identical.
+    """
+    torch.empty((), dtype=torch.int64).random_(generator=generator)
+    if not shuffle:
+        return None
+    if generator is None:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(n, generator=generator)
+    torch.randperm(n, generator=generator)  # the sampler's empty remainder draw
+    return order
+
+
 def _take(value: Any, idx: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor) and not value.is_nested:
         return torch.index_select(value, 0, idx.to(value.device))
@@ -1019,9 +1039,10 @@ class DataProto:
         """Mini-batches of ``mini_batch_size`` rows, ``epochs`` times over (verl's PPO loop).
 
         ``dataloader_kwargs={"shuffle": True}`` permutes the rows each epoch
-        with a generator seeded by ``seed`` (the same order torch's DataLoader
-        would draw); other DataLoader options that do not change the rows
-        (``num_workers``, ``pin_memory``...) are accepted and ignored.
+        with a generator seeded by ``seed``, drawing exactly what verl's
+        ``DataLoader`` draws (same mini-batches for the same seed); other
+        DataLoader options that do not change the rows (``num_workers``,
+        ``pin_memory``...) are accepted and ignored.
 
         Example::
 
@@ -1045,7 +1066,7 @@ class DataProto:
 
         def batches() -> Iterator[DataProto]:
             for _ in range(epochs):
-                order = torch.randperm(n, generator=generator) if shuffle else None
+                order = _dataloader_epoch_order(n, shuffle, generator)
                 for start in range(0, n, mini_batch_size):
                     if order is None:
                         part = self.slice(start, start + mini_batch_size)
