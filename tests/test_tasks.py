@@ -110,6 +110,9 @@ def test_compute_scores_and_placement_on_a_batch():
     )
     torch.testing.assert_close(scores, torch.tensor([1.0, 1 / 3, 1.0, 2 / 3]))
     assert extras == {}
+    by_name, _ = compute_scores(responses[:2], mask[:2], data_source=["x", "y"], ground_truth=["3 7", "3 7"],
+                                tokenizer=TOK, fn="copy")
+    assert by_name.tolist() == scores[:2].tolist()
     placed = place_at_last_token(scores, mask)
     torch.testing.assert_close(placed, torch.tensor([
         [0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1 / 3], [0.0, 0.0, 1.0, 0.0], [0.0, 2 / 3, 0.0, 0.0]]))
@@ -117,10 +120,13 @@ def test_compute_scores_and_placement_on_a_batch():
     assert place_at_last_token(torch.tensor([5.0]), torch.zeros(1, 3)).abs().sum() == 0
 
 
-def test_auto_reward_names_an_unknown_data_source():
+def test_unknown_reward_sources_and_names_are_errors():
     with pytest.raises(ValueError, match="no builtin rule reward for data_source 'my/math'"):
         compute_scores(torch.tensor([[EOS]]), torch.ones(1, 1), data_source=["my/math"], ground_truth=["1"],
                        tokenizer=TOK)
+    with pytest.raises(ValueError, match="unknown reward function 'bleu'"):
+        compute_scores(torch.tensor([[EOS]]), torch.ones(1, 1), data_source=["x"], ground_truth=["1"],
+                       tokenizer=TOK, fn="bleu")
 
 
 # --- text rewards ---------------------------------------------------------------------------------

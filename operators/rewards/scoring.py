@@ -2,8 +2,9 @@
 
 ``fn`` names the reward: ``"auto"`` (by ``data_source``: ``builtin:*`` → the
 task's token reward, anything containing ``gsm8k`` → :func:`gsm8k_score`),
-``"task"``, ``"gsm8k"``, ``"exact"``, ``"partial"``, or an import path
-``"pkg.mod:fn"`` / ``"file.py:fn"`` (see :mod:`operators.rewards.user_fn`).
+``"task"`` (or a builtin task's name: ``"copy"``, ``"add"``...), ``"gsm8k"``,
+``"exact"``, ``"partial"``, or an import path ``"pkg.mod:fn"`` /
+``"file.py:fn"`` (see :mod:`operators.rewards.user_fn`).
 
 Example::
 
@@ -28,6 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from operators.data.tasks import TASKS
 from operators.rewards.rule import (
     exact_match_score,
     gsm8k_score,
@@ -38,6 +40,7 @@ from operators.rewards.user_fn import load_reward_fn, split_score
 
 NAMED_REWARDS: dict[str, Callable[..., Any]] = {
     "task": task_token_score,
+    **{name: task_token_score for name in TASKS},   # every builtin task scores the same way
     "gsm8k": gsm8k_score,
     "exact": exact_match_score,
     "partial": partial_match_score,
@@ -50,8 +53,8 @@ def resolve_reward_fn(fn: str | Callable[..., Any]) -> Callable[..., Any] | None
         return fn
     if fn == "auto":
         return None
-    if fn in NAMED_REWARDS:
-        return NAMED_REWARDS[fn]
+    if fn.removeprefix("builtin:") in NAMED_REWARDS:
+        return NAMED_REWARDS[fn.removeprefix("builtin:")]
     if ":" in fn:
         return load_reward_fn(fn)
     raise ValueError(
