@@ -78,7 +78,7 @@ def test_without_a_limit_a_batch_pads_to_its_longest_prompt():
     assert ds.collate([0, 2])["input_ids"].shape == (2, 8)
 
 
-def test_truncation_modes():
+def test_truncation_modes(tmp_path):
     long_ids = [V["<bos>"], V["reverse"], V["1"], V["2"], V["3"], V["4"], V["5"], V["="]]
     assert PromptDataset(ROWS, TOK).prompt_ids(2) == long_ids
     left = PromptDataset(ROWS, TOK, max_prompt_length=4, truncation="left")
@@ -90,6 +90,8 @@ def test_truncation_modes():
     assert strict.prompt_ids(0) == [V["<bos>"], V["copy"], V["3"], V["7"], V["="]]
     with pytest.raises(DatasetError, match=r"train.parquet: row 2 has a 8-token prompt, over max_prompt_length=6"):
         strict.collate([0, 2])
+    with pytest.raises(DatasetError, match=r"data.jsonl: row 2 has a 8-token prompt"):   # at load time
+        PromptDataset.from_file(write(tmp_path, ROWS, "jsonl"), TOK, max_prompt_length=6)
     with pytest.raises(ValueError, match="truncation must be"):
         PromptDataset(ROWS, TOK, truncation="middle")
 

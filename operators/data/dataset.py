@@ -168,8 +168,16 @@ class PromptDataset:
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer: PreTrainedTokenizerBase, **kwargs: Any) -> "PromptDataset":
-        """Read a ``.parquet``/``.jsonl`` file in verl's schema (see :func:`read_rows`)."""
-        return cls(read_rows(path), tokenizer, name=str(path), **kwargs)
+        """Read a ``.parquet``/``.jsonl`` file in verl's schema (see :func:`read_rows`).
+
+        With ``truncation="error"``, every prompt's length is checked here, so an
+        overlong row fails at load time rather than mid-run.
+        """
+        dataset = cls(read_rows(path), tokenizer, name=str(path), **kwargs)
+        if dataset.max_prompt_length is not None and dataset.truncation == "error":
+            for i in range(len(dataset)):
+                dataset.prompt_ids(i)
+        return dataset
 
     def __len__(self) -> int:
         return len(self.row_ids)
