@@ -210,6 +210,7 @@ def test_column_name_index_returns_the_column():
     assert dp["uid"].tolist() == ["u0", "u1", "u2"]
     with pytest.raises(KeyError, match="no column 'nope' in this DataProto; it has: x, y, uid"):
         dp["nope"]
+    assert "x" in dp and "uid" in dp and "temperature" not in dp and "nope" not in dp
 
 
 def test_select_idxs_on_a_non_tensor_only_batch():

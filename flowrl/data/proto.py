@@ -626,6 +626,15 @@ class DataProto:
             "bool mask or a column name"
         )
 
+    def __contains__(self, key: object) -> bool:
+        """``"responses" in dp``: whether ``key`` is a column (tensor or non-tensor).
+
+        Without it Python would answer ``in`` by comparing every row with the key.
+        """
+        if self.batch is not None and isinstance(key, str) and key in self.batch.keys():
+            return True
+        return key in self.non_tensor_batch
+
     def __repr__(self) -> str:
         lines = [f"{type(self).__name__}(rows={len(self)}"]
         fields = self.fields()
@@ -912,10 +921,11 @@ class DataProto:
             batches: list[TensorDict | None] = list(self.batch.split(sizes, dim=0)) if sizes else []
         else:
             batches = [None] * len(sizes)
-        bounds = np.cumsum(sizes)[:-1].tolist()
-        columns = {k: np.split(v, bounds) for k, v in self.non_tensor_batch.items()}
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
         return [
-            self._derive(batch, {k: parts[i] for k, parts in columns.items()}, self.meta_info)
+            self._derive(batch, {k: v[starts[i] : starts[i + 1]] for k, v in self.non_tensor_batch.items()}, self.meta_info)
             for i, batch in enumerate(batches)
         ]
 
