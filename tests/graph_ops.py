@@ -55,10 +55,16 @@ class PolicyCfg(BaseModel):
 class TestPolicy:
     """A 'model': one weight vector; the version counts updates."""
 
-    def __init__(self, cfg: PolicyCfg) -> None:
+    def __init__(self, cfg: PolicyCfg, ctx=None) -> None:
         self.w = torch.ones(cfg.width)
         self.lr = cfg.lr
         self.version = 0
+
+    def get_weights(self) -> torch.Tensor:
+        return self.w.clone()
+
+    def set_weights(self, w: torch.Tensor) -> None:
+        self.w = w.clone()
 
 
 @role_kind("test_critic", config=PolicyCfg)
@@ -77,11 +83,12 @@ class GenParams(Params):
     "test.generate", role="actor", role_kinds=("test_actor",), scope="row",
     inputs={"prompts": "int64[B, P]", "uid": "object[B]"},
     outputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "policy_version": "int64[B]"},
-    params=GenParams, cost=3.0, node_name="generate",
+    params=GenParams, cost=3.0, node_name="generate", expands="n",
 )
 def generate(actor, batch, p: GenParams):
     time.sleep(p.sleep_s)
-    resp = batch["prompts"][:, -1:].repeat(1, p.max_new_tokens) + int(actor.w.sum())
+    last = batch["prompts"][:, -1:].repeat_interleave(p.n, dim=0)  # n samples per prompt
+    resp = last.repeat(1, p.max_new_tokens) + int(actor.w.sum())
     mask = torch.ones_like(resp)
     version = torch.full((resp.shape[0],), actor.version, dtype=torch.int64)
     return {"responses": resp, "response_mask": mask, "policy_version": version}
@@ -97,29 +104,37 @@ def reward(batch, p):
     return {"token_level_scores": scores}
 
 
+class Sleep(Params):
+    sleep_s: float = Field(0.0, ge=0, description="seconds of simulated work per call")
+
+
 @operator(
     "test.old_logprob", role="actor", role_kinds=("test_actor",), scope="row",
     inputs={"responses": "int64[B, R]"}, outputs={"old_log_probs": "float32[B, R]"},
-    node_name="old_logprob", cost=2.0,
+    node_name="old_logprob", cost=2.0, params=Sleep,
 )
-def old_logprob(actor, batch, p):
+def old_logprob(actor, batch, p: Sleep):
+    time.sleep(p.sleep_s)
     return {"old_log_probs": -batch["responses"].float() / (1.0 + actor.w.sum())}
 
 
 @operator(
     "test.ref_logprob", role="ref", role_kinds=("test_actor",), scope="row",
     inputs={"responses": "int64[B, R]"}, outputs={"ref_log_prob": "float32[B, R]"},
-    node_name="ref_logprob", cost=2.0,
+    node_name="ref_logprob", cost=2.0, params=Sleep,
 )
-def ref_logprob(ref, batch, p):
+def ref_logprob(ref, batch, p: Sleep):
+    time.sleep(p.sleep_s)
     return {"ref_log_prob": -batch["responses"].float() / (1.0 + ref.w.sum())}
 
 
 @operator(
     "test.values", role="critic", role_kinds=("test_critic",), scope="row",
     inputs={"responses": "int64[B, R]"}, outputs={"values": "float32[B, R]"}, node_name="values", cost=2.0,
+    params=Sleep,
 )
-def values(critic, batch, p):
+def values(critic, batch, p: Sleep):
+    time.sleep(p.sleep_s)
     return {"values": batch["responses"].float() * critic.w.mean()}
 
 
@@ -152,6 +167,7 @@ def kl_reward(batch, p):
 
 class UpdateParams(Params):
     clip_ratio: float = Field(0.2, gt=0, description="PPO clip epsilon")
+    sleep_s: float = Field(0.0, ge=0)
 
 
 @operator(
@@ -160,6 +176,7 @@ class UpdateParams(Params):
     params=UpdateParams, updates_role=True, node_name="update_actor", cost=4.0,
 )
 def update_actor(actor, batch, p: UpdateParams):
+    time.sleep(p.sleep_s)
     step = float(batch["advantages"].mean())
     actor.w = actor.w + actor.lr * step
     actor.version += 1
@@ -176,3 +193,24 @@ def update_critic(critic, batch, p):
     critic.w = critic.w - critic.lr * 0.01
     critic.version += 1
     return {}, {"critic/vf_loss": err}
+
+
+# ---------------------------------------------------------------- failure ops
+class Fault(Params):
+    mode: str = Field("raise", description="raise | hang | die")
+
+
+@operator(
+    "test.fault", role="critic", role_kinds=("test_critic",), scope="row",
+    inputs={"responses": "int64[B, R]"}, outputs={"fault_out": "float32[B]"}, params=Fault, node_name="fault",
+)
+def fault(critic, batch, p: Fault):
+    if p.mode == "raise":
+        raise ValueError("the reward server returned garbage")
+    if p.mode == "hang":
+        time.sleep(3600)
+    if p.mode == "die":
+        import os
+
+        os._exit(3)
+    return {"fault_out": torch.zeros(len(batch))}

@@ -84,6 +84,11 @@ class OperatorSpec:
     group_key: str = "uid"
     module: str = ""
     optional_inputs: tuple[str, ...] = field(default=())
+    expands: str | None = None
+
+    def expansion(self, params: "Params") -> int:
+        """How many output rows each input row becomes (``n`` samples per prompt), else 1."""
+        return int(getattr(params, self.expands)) if self.expands else 1
 
     @property
     def input_names(self) -> tuple[str, ...]:
@@ -211,6 +216,7 @@ def operator(
     cost: float = 1.0,
     group_key: str = "uid",
     optional_inputs: tuple[str, ...] = (),
+    expands: str | None = None,
     register: bool = True,
 ) -> Callable[[Callable[..., Any]], OperatorSpec]:
     """Declare (and register) an operator; see the module docstring.
@@ -221,6 +227,9 @@ def operator(
     for stateless ones. ``updates_role`` marks an operator that changes its
     role's state (an optimizer step): it creates the graph's state edges.
     ``cost`` is a relative cost used to predict timelines before measuring.
+    ``expands`` names the parameter giving how many output rows each input row
+    becomes (``"n"`` for sampling n responses per prompt); the runtime repeats
+    earlier columns to match, as verl's ``repeat(n, interleave=True)``.
     """
     if scope not in SCOPES:
         raise OperatorDeclarationError(f"operator {name!r}: scope must be one of {SCOPES}, not {scope!r}")
@@ -231,6 +240,8 @@ def operator(
         )
     if not (isinstance(params, type) and issubclass(params, Params)):
         raise OperatorDeclarationError(f"operator {name!r}: params must be a subclass of flowrl.graph.Params")
+    if expands is not None and expands not in params.model_fields:
+        raise OperatorDeclarationError(f"operator {name!r}: expands={expands!r} is not one of its parameters")
     if updates_role and not role:
         raise OperatorDeclarationError(f"operator {name!r}: updates_role needs a role")
 
@@ -260,6 +271,7 @@ def operator(
             group_key=group_key,
             module=fn.__module__,
             optional_inputs=tuple(optional_inputs),
+            expands=expands,
         )
         if register:
             from flowrl.graph.registry import REGISTRY

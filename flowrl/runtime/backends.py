@@ -1,0 +1,350 @@
+"""Two backends, one contract: ``ray`` (the default) and ``local`` (one process).
+
+The scheduler talks to a backend through handles (Ray ObjectRefs, or
+``concurrent.futures.Future`` locally). Both keep the same semantics:
+
+* each (pool, rank) runs its tasks one at a time, in submission order — a task
+  whose inputs are not ready holds its pool, exactly like a Ray actor's queue;
+* different pools run concurrently;
+* driver tasks (stateless operators) run as soon as their inputs are ready,
+  concurrently with everything else (Ray: a threaded 0-CPU actor);
+* submitting never waits for a value.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures as cf
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from flowrl.runtime.errors import PlacementError
+from flowrl.runtime.worker import Call, NodeEntry, RoleBuild, Worker
+
+DRIVER = "driver"
+
+
+@dataclass
+class PoolSpec:
+    name: str
+    workers: int
+    cpus: float
+    gpus: float
+    roles: list[RoleBuild]
+
+
+class Backend(abc.ABC):
+    """Interface (see module docstring)."""
+
+    name = "base"
+
+    @abc.abstractmethod
+    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int) -> None:
+        """Create every pool's workers (and their roles)."""
+
+    @abc.abstractmethod
+    def submit(self, pool: str, rank: int, call: Call, inputs: list[Any]) -> tuple[Any, Any]:
+        """Run ``call`` on (pool, rank) once ``inputs`` are ready → (data handle, info handle)."""
+
+    @abc.abstractmethod
+    def call(self, pool: str, rank: int, method: str, *args: Any) -> Any:
+        """Run a worker method (``get_weights``...) in the pool's queue; args may be handles."""
+
+    @abc.abstractmethod
+    def put(self, value: Any) -> Any:
+        """A handle to ``value``."""
+
+    @abc.abstractmethod
+    def get(self, handle: Any, timeout: float | None = None) -> Any:
+        """The value behind a handle (raises what produced it raised)."""
+
+    @abc.abstractmethod
+    def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
+        """``(done, pending)`` once at least one is done or ``timeout`` passes."""
+
+    def worker_label(self, pool: str, rank: int) -> str:
+        return f"{pool}[{rank}]"
+
+    def shutdown(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- local
+class LocalBackend(Backend):
+    """Everything in this process; threads stand in for worker processes."""
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self.workers: dict[tuple[str, int], Worker] = {}
+        self.queues: dict[tuple[str, int], _DaemonExecutor] = {}
+        self.driver_pool = _DaemonExecutor(serial=False, name="flowrl-driver")
+
+    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int) -> None:
+        for p in pools:
+            for rank in range(p.workers):
+                self.workers[(p.name, rank)] = Worker(p.name, rank, p.workers, p.roles, nodes, seed,
+                                                      threads=max(1, int(p.cpus)))
+                self.queues[(p.name, rank)] = _DaemonExecutor(serial=True, name=f"flowrl-{p.name}{rank}")
+        self.workers[(DRIVER, 0)] = Worker(DRIVER, 0, 1, [], nodes, seed)
+
+    def _executor(self, pool: str, rank: int) -> "_DaemonExecutor":
+        return self.driver_pool if pool == DRIVER else self.queues[(pool, rank)]
+
+    def submit(self, pool: str, rank: int, call: Call, inputs: list[Any]) -> tuple[Any, Any]:
+        worker = self.workers[(pool, rank)]
+
+        def run() -> Any:
+            return worker.execute(call, *[f.result() for f in inputs])
+
+        both = self._executor(pool, rank).submit(run)
+        return _Projection(both, 0), _Projection(both, 1)
+
+    def call(self, pool: str, rank: int, method: str, *args: Any) -> Any:
+        worker = self.workers[(pool, rank)]
+
+        def run() -> Any:
+            vals = [a.result() if isinstance(a, (cf.Future, _Projection)) else a for a in args]
+            return getattr(worker, method)(*vals)
+
+        return self._executor(pool, rank).submit(run)
+
+    def put(self, value: Any) -> Any:
+        f: cf.Future = cf.Future()
+        f.set_result(value)
+        return f
+
+    def get(self, handle: Any, timeout: float | None = None) -> Any:
+        return handle.result(timeout=timeout)
+
+    def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            done = [h for h in handles if h.done()]
+            if done or time.monotonic() >= deadline:
+                return done, [h for h in handles if not h.done()]
+            time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+
+    def shutdown(self) -> None:
+        for q in self.queues.values():
+            q.shutdown()
+        self.driver_pool.shutdown()
+
+
+class _DaemonExecutor:
+    """Runs callables on daemon threads: one thread in submission order (a
+    pool's queue), or a thread per call (the driver). Daemon threads, unlike a
+    ThreadPoolExecutor's, never keep the process alive — a hung operator that
+    the watchdog already reported must not block exit."""
+
+    def __init__(self, serial: bool, name: str) -> None:
+        self.serial, self.name = serial, name
+        self.queue: queue.Queue = queue.Queue()
+        self.closed = False
+        if serial:
+            threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, fn: Any) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        if self.closed:
+            fut.set_exception(RuntimeError(f"{self.name} is shut down"))
+        elif self.serial:
+            self.queue.put((fn, fut))
+        else:
+            threading.Thread(target=self._run, args=(fn, fut), name=self.name, daemon=True).start()
+        return fut
+
+    @staticmethod
+    def _run(fn: Any, fut: cf.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            fut.set_exception(e)
+
+    def _loop(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                return
+            self._run(*item)
+
+    def shutdown(self) -> None:
+        self.closed = True
+        if self.serial:
+            while not self.queue.empty():
+                try:
+                    _, fut = self.queue.get_nowait()
+                    fut.cancel()
+                except (queue.Empty, TypeError):
+                    break
+            self.queue.put(None)
+
+
+class _Projection:
+    """One element of a future's tuple result, itself future-like."""
+
+    def __init__(self, fut: cf.Future, index: int) -> None:
+        self.fut, self.index = fut, index
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self.fut.result(timeout=timeout)[self.index]
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def exception(self) -> BaseException | None:
+        return self.fut.exception() if self.fut.done() else None
+
+
+# ---------------------------------------------------------------- ray
+class RayBackend(Backend):
+    """One Ray actor per (pool, rank) in the pool's placement group."""
+
+    name = "ray"
+
+    def __init__(self, address: str | None = None, placement_timeout_s: float = 60.0) -> None:
+        self.address = address
+        self.placement_timeout_s = placement_timeout_s
+        self.actors: dict[tuple[str, int], Any] = {}
+        self.groups: list[Any] = []
+        self._started_ray = False
+        self.pids: dict[tuple[str, int], int] = {}
+
+    def _init_ray(self) -> Any:
+        import ray
+
+        if not ray.is_initialized():
+            env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+            if self.address:
+                ray.init(address=self.address, runtime_env=env, log_to_driver=True)
+            else:
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env,
+                         log_to_driver=True)
+            self._started_ray = True
+        return ray
+
+    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int) -> None:
+        ray = self._init_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        total = ray.cluster_resources()
+        need_cpu = sum(p.workers * p.cpus for p in pools)
+        need_gpu = sum(p.workers * p.gpus for p in pools)
+        if need_cpu > total.get("CPU", 0) + 1e-9 or need_gpu > total.get("GPU", 0) + 1e-9:
+            raise PlacementError(
+                f"the pools ask for {need_cpu:g} CPUs and {need_gpu:g} GPUs; the Ray cluster has "
+                f"{total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs "
+                f"({', '.join(f'{p.name}: {p.workers}×({p.cpus:g} CPU, {p.gpus:g} GPU)' for p in pools)})"
+            )
+        actor_cls = ray.remote(Worker)
+        for p in pools:
+            bundle = {"CPU": p.cpus} if p.cpus else {}
+            if p.gpus:
+                bundle["GPU"] = p.gpus
+            if not bundle:
+                bundle = {"CPU": 0.001}
+            pg = placement_group([dict(bundle) for _ in range(p.workers)], strategy="PACK",
+                                 name=f"flowrl-{p.name}-{os.getpid()}")
+            self.groups.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=self.placement_timeout_s)
+            except Exception:
+                avail = ray.available_resources()
+                raise PlacementError(
+                    f"pool {p.name!r}: {p.workers} worker(s) × {bundle} could not be placed within "
+                    f"{self.placement_timeout_s:g}s; available now: CPU {avail.get('CPU', 0):g}, "
+                    f"GPU {avail.get('GPU', 0):g}"
+                ) from None
+            for rank in range(p.workers):
+                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
+                self.actors[(p.name, rank)] = actor_cls.options(
+                    num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy,
+                    name=None, max_restarts=0,
+                ).remote(p.name, rank, p.workers, p.roles, nodes, seed, max(1, int(p.cpus)))
+        self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
+            DRIVER, 0, 1, [], nodes, seed, 1)
+        # surface role-construction errors and dead workers now, not mid-step
+        keys = list(self.actors)
+        pids = ray.get([self.actors[k].ping.remote() for k in keys])
+        self.pids = dict(zip(keys, pids))
+
+    def submit(self, pool: str, rank: int, call: Call, inputs: list[Any]) -> tuple[Any, Any]:
+        return self.actors[(pool, rank)].execute.options(num_returns=2).remote(call, *inputs)
+
+    def call(self, pool: str, rank: int, method: str, *args: Any) -> Any:
+        return getattr(self.actors[(pool, rank)], method).remote(*args)
+
+    def put(self, value: Any) -> Any:
+        import ray
+
+        return ray.put(value)
+
+    def get(self, handle: Any, timeout: float | None = None) -> Any:
+        import ray
+
+        return ray.get(handle, timeout=timeout)
+
+    def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
+        import ray
+
+        return ray.wait(handles, num_returns=1, timeout=timeout, fetch_local=False)
+
+    def worker_label(self, pool: str, rank: int) -> str:
+        pid = self.pids.get((pool, rank))
+        return f"{pool}[{rank}]" + (f" (pid {pid})" if pid else "")
+
+    def kill(self, pool: str, rank: int) -> None:
+        """Kill one worker process (tests of failure handling)."""
+        import ray
+
+        ray.kill(self.actors[(pool, rank)], no_restart=True)
+
+    def shutdown(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for actor in self.actors.values():
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:
+                pass
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.groups:
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        self.actors.clear()
+        self.groups.clear()
+        if self._started_ray:
+            ray.shutdown()
+
+
+def make_backend(name: str, address: str | None = None) -> Backend:
+    if name == "local":
+        return LocalBackend()
+    if name == "ray":
+        return RayBackend(address=address)
+    raise ValueError(f"unknown backend {name!r}; use 'ray' or 'local'")
+
+
+def describe_death(exc: BaseException) -> str | None:
+    """A readable cause when ``exc`` says a worker process died, else None."""
+    name = type(exc).__name__
+    if name in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
+                "OutOfMemoryError", "NodeDiedError"):
+        text = str(exc).strip().splitlines()
+        return f"{name}: {text[0] if text else ''}"
+    return None
+
+
+__all__ = ["Backend", "LocalBackend", "RayBackend", "PoolSpec", "make_backend", "describe_death"]

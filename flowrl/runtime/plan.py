@@ -1,0 +1,289 @@
+"""The plan: a checked graph made concrete — tasks, row spaces, per-pool order.
+
+A node becomes one *task* per micro-batch when its scope allows streaming
+(``row``, and ``group`` since micro-batches are cut at prompt boundaries, so
+every group of ``n`` samples stays whole) and one task when it is ``batch``
+scoped (a barrier). Every task knows which upstream tasks it reads, and which
+rows of them (a row-scoped consumer of a batch-scoped output reads its slice).
+
+Row spaces: the data source yields prompt rows; an operator that ``expands``
+(``rollout.generate`` with ``n`` samples) yields ``n`` rows per input row.
+A consumer reading fields of both spaces gets the prompt-level columns repeated
+to match (verl's ``repeat(n, interleave=True)``), so ``ground_truth`` and
+``uid`` reach the reward and the GRPO grouping without any user code.
+
+Nodes on one pool run one at a time, in an order chosen here: a topological
+order of the task graph by descending *upward rank* (the longest path from a
+task to the end of the step, by cost) — critical path first. Nodes on
+different pools run concurrently; driver nodes run as soon as their inputs are.
+
+Example::
+
+    plan = make_plan(graph)
+    print(plan.pool_order["train"])      # [("generate", 0), ("generate", 1), ...]
+    sim = plan.simulate()                # predicted timeline from declared costs
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+
+from flowrl.graph import SOURCE, Graph
+
+DRIVER = "driver"
+
+
+class PlanError(ValueError):
+    """The graph cannot be planned (e.g. it mixes two unrelated row spaces)."""
+
+
+@dataclass(frozen=True)
+class Space:
+    """A row space: the expanding nodes since the source and their factors."""
+
+    path: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def factor(self) -> int:
+        return math.prod(f for _, f in self.path)
+
+    def extends(self, other: "Space") -> bool:
+        return self.path[: len(other.path)] == other.path
+
+    def then(self, node: str, factor: int) -> "Space":
+        return self if factor == 1 else Space(self.path + ((node, factor),))
+
+
+@dataclass(frozen=True)
+class Read:
+    """What a task reads from one upstream node.
+
+    ``srcs`` are the producer's tasks ``(node, mb)`` whose outputs are
+    concatenated in order (``mb`` is ``None`` for a batch-scoped producer and
+    for the source's whole batch); ``rows`` slices the result;
+    ``repeat`` repeats each row to reach the consumer's space; ``fields`` names
+    the columns taken.
+    """
+
+    srcs: tuple[tuple[str, int | None], ...]
+    fields: tuple[str, ...]
+    rows: tuple[int, int] | None = None
+    repeat: int = 1
+
+
+@dataclass
+class Task:
+    node: str
+    mb: int | None  # None: one task for the whole batch
+    pool: str  # a pool name, or DRIVER
+    reads: list[Read] = field(default_factory=list)
+    deps: set[tuple[str, int | None]] = field(default_factory=set)  # tasks that must finish first
+    rank: float = 0.0  # upward rank (critical path to the end of the step)
+    cost: float = 1.0
+
+    @property
+    def key(self) -> tuple[str, int | None]:
+        return (self.node, self.mb)
+
+
+@dataclass
+class Plan:
+    graph: Graph
+    micro_batches: int
+    prompt_bounds: list[int]  # micro-batch boundaries over the prompt rows
+    spaces: dict[str, Space]  # node → the row space of its outputs
+    tasks: dict[tuple[str, int | None], Task]
+    pool_order: dict[str, list[tuple[str, int | None]]]  # pool → its tasks in run order
+    order: list[tuple[str, int | None]]  # all tasks, a topological order by priority
+
+    def rows(self, space: Space, mb: int | None) -> tuple[int, int]:
+        """The row range of micro-batch ``mb`` (or the whole batch) in ``space``."""
+        f = space.factor
+        if mb is None:
+            return (0, self.prompt_bounds[-1] * f)
+        return (self.prompt_bounds[mb] * f, self.prompt_bounds[mb + 1] * f)
+
+    def node_tasks(self, node: str) -> list[Task]:
+        return [t for t in self.tasks.values() if t.node == node]
+
+    def simulate(self, costs: dict[str, float] | None = None) -> "Simulation":
+        """Predict the step's timeline: pools run their order one task at a time."""
+        return simulate(self, costs)
+
+
+def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | None = None) -> Plan:
+    """Expand a checked graph into tasks and per-pool orders."""
+    k = micro_batches or graph.config.schedule.micro_batches
+    prompts = batch_size or graph.config.data.batch_size
+    if k > prompts:
+        raise PlanError(f"schedule.micro_batches={k} is more than data.batch_size={prompts} prompts")
+    bounds = [round(i * prompts / k) for i in range(k + 1)]
+    spaces = _row_spaces(graph)
+    producers = {f: ps[0] for f, ps in graph.producers().items()}
+    tasks: dict[tuple[str, int | None], Task] = {}
+    for name in graph.topological_order():
+        node = graph.nodes[name]
+        pool = graph.pool_of(name) or DRIVER
+        streams = node.scope in ("row", "group") and k > 1
+        mbs: list[int | None] = list(range(k)) if streams else [None]
+        for mb in mbs:
+            task = Task(name, mb, pool, cost=node.cost / (k if mb is not None else 1))
+            by_src: dict[str, list[str]] = {}
+            for f in node.inputs:
+                if f.name in producers:
+                    by_src.setdefault(producers[f.name], []).append(f.name)
+            for src, fields in by_src.items():
+                task.reads.extend(_reads(graph, tasks, spaces, name, mb, src, tuple(fields), bounds))
+            for r in task.reads:
+                task.deps.update(src for src in r.srcs if src[0] != SOURCE)
+            for pred in graph.dag.predecessors(name):
+                if pred == SOURCE or graph.dag.edges[pred, name]["kind"] == "data":
+                    continue
+                task.deps.update(t.key for t in tasks.values() if t.node == pred)
+            tasks[task.key] = task
+    _upward_ranks(tasks)
+    order = _priority_order(tasks)
+    pool_order: dict[str, list[tuple[str, int | None]]] = {}
+    for key in order:
+        pool_order.setdefault(tasks[key].pool, []).append(key)
+    return Plan(graph, k, bounds, spaces, tasks, pool_order, order)
+
+
+def _row_spaces(graph: Graph) -> dict[str, Space]:
+    spaces: dict[str, Space] = {SOURCE: Space()}
+    producers = {f: ps[0] for f, ps in graph.producers().items()}
+    for name in graph.topological_order():
+        node = graph.nodes[name]
+        ins = [spaces[producers[f.name]] for f in node.inputs if f.name in producers]
+        space = Space()
+        for s in ins:
+            if s.extends(space):
+                space = s
+            elif not space.extends(s):
+                raise PlanError(
+                    f"node {name!r} reads rows of two unrelated expansions "
+                    f"({_space_name(space)} and {_space_name(s)}); rows cannot be matched"
+                )
+        factor = node.op.expansion(node.params) if node.op is not None and node.params is not None else 1
+        spaces[name] = space.then(name, factor)
+    return spaces
+
+
+def _space_name(s: Space) -> str:
+    return " × ".join(f"{n}(n={f})" for n, f in s.path) or "the prompts"
+
+
+def _reads(graph: Graph, tasks, spaces, name, mb, src, fields, bounds) -> list[Read]:
+    mine = _input_space(graph, spaces, name)
+    theirs = spaces[src]
+    repeat = mine.factor // theirs.factor
+    if src == SOURCE:
+        return [Read(((SOURCE, None),), fields, _prompt_rows(bounds, mb, theirs), repeat)]
+    src_tasks = sorted((t for t in tasks.values() if t.node == src), key=lambda t: t.mb or 0)
+    if mb is None:  # a barrier reads every micro-batch of its producer, in order
+        return [Read(tuple(t.key for t in src_tasks), fields, None, repeat)]
+    if (src, mb) in tasks:  # streaming to streaming: micro-batch m feeds micro-batch m
+        return [Read(((src, mb),), fields, None, repeat)]
+    return [Read(((src, None),), fields, _prompt_rows(bounds, mb, theirs), repeat)]
+
+
+def _prompt_rows(bounds: list[int], mb: int | None, space: Space) -> tuple[int, int] | None:
+    if mb is None:
+        return None
+    return (bounds[mb] * space.factor, bounds[mb + 1] * space.factor)
+
+
+def _input_space(graph: Graph, spaces: dict[str, Space], name: str) -> Space:
+    producers = {f: ps[0] for f, ps in graph.producers().items()}
+    space = Space()
+    for f in graph.nodes[name].inputs:
+        if f.name in producers and spaces[producers[f.name]].extends(space):
+            space = spaces[producers[f.name]]
+    return space
+
+
+def _upward_ranks(tasks: dict[tuple[str, int | None], Task]) -> None:
+    g = nx.DiGraph()
+    for key, t in tasks.items():
+        g.add_node(key)
+        for d in t.deps:
+            g.add_edge(d, key)
+    for key in reversed(list(nx.topological_sort(g))):
+        succ = [tasks[s].rank for s in g.successors(key)]
+        tasks[key].rank = tasks[key].cost + (max(succ) if succ else 0.0)
+
+
+def _priority_order(tasks: dict[tuple[str, int | None], Task]) -> list[tuple[str, int | None]]:
+    """Topological order; among ready tasks, the longest remaining path first."""
+    g = nx.DiGraph()
+    for key, t in tasks.items():
+        g.add_node(key)
+        for d in t.deps:
+            g.add_edge(d, key)
+    seq = {key: i for i, key in enumerate(tasks)}
+    return list(nx.lexicographical_topological_sort(g, key=lambda k: (-tasks[k].rank, seq[k])))
+
+
+# ---------------------------------------------------------------- prediction
+@dataclass
+class Simulation:
+    """A predicted (or replayed) timeline: start/end per task, makespan and bounds."""
+
+    start: dict[tuple[str, int | None], float]
+    end: dict[tuple[str, int | None], float]
+    makespan: float
+    critical_path: float
+    busiest_pool: tuple[str, float]
+
+    @property
+    def lower_bound(self) -> float:
+        return max(self.critical_path, self.busiest_pool[1])
+
+    @property
+    def efficiency(self) -> float:
+        return self.lower_bound / self.makespan if self.makespan > 0 else 1.0
+
+
+def simulate(plan: Plan, costs: dict[str, float] | None = None) -> Simulation:
+    """List-schedule the plan: each pool runs its order sequentially; the driver in parallel.
+
+    ``costs`` maps node → seconds for the whole batch (default: declared costs).
+    """
+    def cost(t: Task) -> float:
+        if costs is None or t.node not in costs:
+            return t.cost
+        n = plan.micro_batches if t.mb is not None else 1
+        return costs[t.node] / n
+
+    start: dict[Any, float] = {}
+    end: dict[Any, float] = {}
+    pool_free: dict[str, float] = {}
+    for key in plan.order:  # a topological order consistent with every pool's order
+        t = plan.tasks[key]
+        ready = max((end[d] for d in t.deps), default=0.0)
+        s = ready if t.pool == DRIVER else max(ready, pool_free.get(t.pool, 0.0))
+        start[key], end[key] = s, s + cost(t)
+        if t.pool != DRIVER:
+            pool_free[t.pool] = end[key]
+    makespan = max(end.values(), default=0.0)
+    return Simulation(start, end, makespan, *bounds_of(plan, {k: end[k] - start[k] for k in end}))
+
+
+def bounds_of(plan: Plan, durations: dict[tuple[str, int | None], float]) -> tuple[float, tuple[str, float]]:
+    """The two lower bounds of a step's makespan given task durations:
+    the critical path through the task graph, and the busiest pool's total work."""
+    longest: dict[Any, float] = {}
+    for key in plan.order:
+        t = plan.tasks[key]
+        longest[key] = durations.get(key, 0.0) + max((longest[d] for d in t.deps), default=0.0)
+    work: dict[str, float] = {}
+    for key, d in durations.items():
+        pool = plan.tasks[key].pool
+        if pool != DRIVER:
+            work[pool] = work.get(pool, 0.0) + d
+    busiest = max(work.items(), key=lambda kv: kv[1], default=("", 0.0))
+    return max(longest.values(), default=0.0), busiest

@@ -1,0 +1,390 @@
+"""Runs a graph's steps on a backend: everything that can overlap does.
+
+The driver submits a whole step at once — every task, on every rank, in the
+plan's per-pool order — handing each task the *handles* of its inputs, never
+their values. Pools then run concurrently; a streaming (row/group-scoped)
+node's micro-batch m starts as soon as its upstream's micro-batch m is done.
+
+Steps overlap within the staleness bound. A node using a role at step t reads
+weights no older than version ``t - s`` (version = number of updates applied),
+so it is gated on the update of step ``t - 1 - s``. With ``s = 0`` this is the
+synchronous step, exactly. With ``s >= 1``, the driver keeps up to ``s + 1``
+steps in flight and rollout on its own pool starts step t+1 while step t
+trains. When a role's weights are used on another pool, they move after the
+update: fetched right behind the update in the trainer's queue, loaded into the
+other pool right before the first task that needs them. Every task records the
+version it ran with; a worker refuses to run on weights older than the bound.
+
+The driver reads only task reports (timings, metrics) and, on request, a few
+fields. A watchdog knows what every task waits on: a node past its timeout, a
+raising operator or a dead worker fails the step with the node, the step and
+the worker named.
+
+Example::
+
+    rt = Runtime(graph, backend="local")
+    for result in rt.run(source_batches, steps=3):
+        print(result.metrics["scheduler/efficiency"])
+    rt.close()
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+from flowrl.data import DataProto
+from flowrl.graph import Graph, StateEdge
+from flowrl.runtime.backends import DRIVER, Backend, PoolSpec, describe_death, make_backend
+from flowrl.runtime.errors import NodeError, NodeTimeoutError, RuntimeFailure, WorkerDiedError
+from flowrl.runtime.plan import Plan, bounds_of, make_plan
+from flowrl.runtime.timeline import Timeline
+from flowrl.runtime.worker import Call, Info, NodeEntry, ReadSpec, RoleBuild, assemble
+
+
+@dataclass
+class StepResult:
+    """One finished step: metrics, its task reports, and any fetched fields."""
+
+    step: int
+    metrics: dict[str, float]
+    infos: list[Info]
+    makespan: float
+    lower_bound: float
+    data: DataProto | None = None
+
+    @property
+    def efficiency(self) -> float:
+        return self.lower_bound / self.makespan if self.makespan > 0 else 1.0
+
+
+@dataclass
+class _Sub:
+    """A submitted task on all its ranks."""
+
+    key: tuple[str, int | None]
+    pool: str
+    data: list[Any]  # output shards, in row order
+    infos: list[tuple[Any, int]]  # (info handle, rank)
+
+
+@dataclass
+class _Step:
+    step: int
+    submitted_at: float
+    src: Any = None  # the handle of the step's source batch
+    subs: dict[tuple[str, int | None], _Sub] = field(default_factory=dict)
+    extra: list[tuple[Any, str, int]] = field(default_factory=list)  # (info handle, pool, rank): syncs
+
+
+class Runtime:
+    """Places a checked graph on a backend and runs its steps."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        backend: str | Backend = "ray",
+        *,
+        address: str | None = None,
+        resources: dict[str, float] | None = None,
+        fetch: Iterable[str] = (),
+        poll_s: float = 0.05,
+    ) -> None:
+        report = graph.check(resources=resources)
+        report.raise_if_errors()
+        self.graph = graph
+        self.plan: Plan = make_plan(graph)
+        self.backend = make_backend(backend, address) if isinstance(backend, str) else backend
+        self.timeline = Timeline()
+        self.fetch = tuple(fetch)
+        self.poll_s = poll_s
+        self._weights: dict[tuple[str, int], Any] = {}  # (role, step) → weights handle
+        self._syncs: dict[tuple[str, int, int], Any] = {}  # (role, step, rank) → set_weights handle
+        self._updates: dict[tuple[str, int], list[Any]] = {}  # (role, step) → update info handles
+        self._started = False
+
+    # ------------------------------------------------------------------ placement
+    def start(self) -> "Runtime":
+        if self._started:
+            return self
+        g = self.graph
+        nodes = {
+            n: NodeEntry(node.op, node.params, node.role,
+                         inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
+                         outputs=dict(node.config.outputs))
+            for n, node in g.nodes.items()
+        }
+        pools = [
+            PoolSpec(name, cfg.workers, cfg.cpus, cfg.gpus, self._role_builds(cfg.roles))
+            for name, cfg in g.config.pools.items()
+        ]
+        self.backend.start(pools, nodes, g.config.trainer.seed)
+        self._started = True
+        return self
+
+    def _role_builds(self, names: list[str]) -> list[RoleBuild]:
+        from flowrl.graph import REGISTRY
+
+        g = self.graph
+        roles = g.config.roles
+        builds: list[RoleBuild] = []
+        done: set[str] = set()
+
+        def root(name: str) -> str:
+            while roles[name].from_ is not None:
+                name = roles[name].from_
+            return name
+
+        def add(name: str) -> None:
+            if name in done:
+                return
+            cfg = roles[name]
+            kind = g.role_kinds[name]
+            rk = REGISTRY.role_kind(kind)
+            if cfg.from_ is not None and cfg.from_ in names and not cfg.frozen:
+                add(cfg.from_)
+                builds.append(RoleBuild(name, kind, rk.factory, None, shares=cfg.from_))
+            else:
+                settings = rk.config.model_validate(roles[root(name)].settings)
+                builds.append(RoleBuild(name, kind, rk.factory, settings))
+            done.add(name)
+
+        for n in names:
+            add(n)
+        return builds
+
+    # ------------------------------------------------------------------ running
+    @property
+    def max_staleness(self) -> int:
+        return max((e.staleness for e in self.graph.state_edges), default=0)
+
+    def run(
+        self,
+        batches: Iterable[DataProto],
+        steps: int,
+        start_step: int = 0,
+        on_step: Callable[[StepResult], None] | None = None,
+    ) -> Iterator[StepResult]:
+        """Run ``steps`` steps, yielding each result in order as it finishes."""
+        self.start()
+        source = iter(batches)
+        in_flight: deque[_Step] = deque()
+        t = start_step
+        end = start_step + steps
+        try:
+            while t < end or in_flight:
+                while t < end and len(in_flight) <= self.max_staleness:
+                    in_flight.append(self._submit_step(t, next(source)))
+                    t += 1
+                result = self._finish(in_flight.popleft())
+                if on_step is not None:
+                    on_step(result)
+                yield result
+        except BaseException:
+            self.close()
+            raise
+
+    def run_step(self, batch: DataProto, step: int = 0) -> StepResult:
+        """Run one step on ``batch`` (synchronously) and return its result."""
+        return next(self.run([batch], steps=1, start_step=step))
+
+    def _submit_step(self, t: int, batch: DataProto) -> _Step:
+        src = self.backend.put(batch)
+        st = _Step(t, time.time(), src)
+        g = self.graph
+        edges_to: dict[str, list[StateEdge]] = {}
+        for e in g.state_edges:
+            edges_to.setdefault(e.dst, []).append(e)
+        for key in self.plan.order:
+            task = self.plan.tasks[key]
+            node = g.nodes[task.node]
+            inputs: list[Any] = []
+            reads = []
+            for r in task.reads:
+                shards = [h for k in r.srcs for h in ([src] if k[0] == "data" else st.subs[k].data)]
+                inputs.extend(shards)
+                reads.append(ReadSpec(len(shards), r.fields, r.rows, r.repeat))
+            if task.pool == DRIVER:
+                ranks, world = [0], 1
+            else:
+                n_workers = g.config.pools[task.pool].workers
+                ranks = list(range(n_workers))
+                world = n_workers if node.op.dispatch == "split" else 1
+            min_version = None
+            sub = _Sub(key, task.pool, [], [])
+            for rank in ranks:
+                gates = []
+                for e in edges_to.get(task.node, []):
+                    j = t - 1 - e.staleness
+                    min_version = max(0, t - e.staleness)
+                    if j >= 0:
+                        gates.append(self._gate(e, j, task.pool, rank, st))
+                call = Call(task.node, t, task.mb, tuple(reads), len(gates), rank, world, min_version)
+                data, info = self.backend.submit(task.pool, rank, call, gates + inputs)
+                sub.infos.append((info, rank))
+                if world > 1 or rank == 0:
+                    sub.data.append(data)
+            st.subs[key] = sub
+            if node.updates_role and (task.mb is None or task.mb == self.plan.micro_batches - 1):
+                self._after_update(node.role, t, sub)
+        return st
+
+    def _after_update(self, role: str, t: int, sub: _Sub) -> None:
+        self._updates[(role, t)] = [h for h, _ in sub.infos]
+        if any(self._crosses_pools(e) for e in self.graph.state_edges if e.role == role):
+            # fetched right behind the update in the same queue: ready the moment it ends
+            self._weights[(role, t)] = self.backend.call(sub.pool, 0, "get_weights", role)
+
+    def _crosses_pools(self, e: StateEdge) -> bool:
+        return self.graph.pool_of(e.src) != self.graph.pool_of(e.dst)
+
+    def _gate(self, e: StateEdge, j: int, pool: str, rank: int, st: _Step) -> Any:
+        """A handle that is ready once the update of step j is visible to (pool, rank)."""
+        if not self._crosses_pools(e):
+            return self._updates[(e.role, j)][0]
+        dst_role = self.graph.nodes[e.dst].role
+        key = (dst_role, j, rank)
+        if key not in self._syncs:
+            handle = self.backend.call(pool, rank, "set_weights", dst_role, self._weights[(e.role, j)])
+            self._syncs[key] = handle
+            st.extra.append((handle, pool, rank))
+        return self._syncs[key]
+
+    # ------------------------------------------------------------------ collecting
+    def _finish(self, st: _Step) -> StepResult:
+        pending: dict[Any, tuple[tuple[str, int | None] | None, str, int]] = {}
+        for key, sub in st.subs.items():
+            for h, rank in sub.infos:
+                pending[h] = (key, sub.pool, rank)
+        for h, pool, rank in st.extra:
+            pending[h] = (None, pool, rank)
+        ended: dict[tuple[str, int | None], float] = {}
+        infos: list[Info] = []
+        while pending:
+            done, _ = self.backend.wait(list(pending), timeout=self.poll_s)
+            for h in done:
+                key, pool, rank = pending.pop(h)
+                try:
+                    info = self.backend.get(h)
+                except BaseException as exc:  # noqa: BLE001 - every failure becomes a named one
+                    raise self._failure(exc, st.step, key, pool, rank) from None
+                if key is not None:
+                    ended[key] = max(ended.get(key, 0.0), info.end)
+                    infos.append(info)
+                self.timeline.add(info)
+            self._watchdog(st, pending, ended)
+        self._clear_before(st.step)
+        return self._result(st, infos)
+
+    def _watchdog(self, st: _Step, pending: dict, ended: dict) -> None:
+        now = time.time()
+        default = self.graph.config.schedule.timeout_s
+        for key, pool, rank in pending.values():
+            if key is None:
+                continue
+            node = self.graph.nodes[key[0]]
+            limit = node.timeout_s or default
+            if limit is None:
+                continue
+            deps = self.plan.tasks[key].deps
+            if any(d not in ended for d in deps):
+                continue  # still waiting on its inputs; that node's own watchdog fires first
+            ready = max((ended[d] for d in deps), default=st.submitted_at)
+            if now - ready > limit:
+                waited = [f"{d[0]}" + (f"[{d[1]}]" if d[1] is not None else "") for d in deps]
+                raise NodeTimeoutError(
+                    f"node {key[0]!r} (step {st.step}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
+                    + f") has run {now - ready:.1f}s on {self.backend.worker_label(pool, rank)}, past its "
+                    f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were all ready, so "
+                    f"it is the operator itself that is slow or stuck"
+                )
+
+    def _failure(self, exc: BaseException, step: int, key, pool: str, rank: int) -> RuntimeFailure:
+        cause = getattr(exc, "cause", None)
+        if isinstance(exc, NodeError):
+            return exc
+        if isinstance(cause, NodeError):
+            return cause
+        death = describe_death(exc) or (describe_death(cause) if cause is not None else None)
+        node = key[0] if key else "(weight sync)"
+        where = self.backend.worker_label(pool, rank)
+        if death:
+            return WorkerDiedError(f"worker {where} died while running node {node!r} at step {step}: {death}")
+        return RuntimeFailure(f"node {node!r} at step {step} on {where} failed: {type(exc).__name__}: {exc}")
+
+    def _clear_before(self, step: int) -> None:
+        keep = step - self.max_staleness - 1
+        for d in (self._weights, self._updates):
+            for k in [k for k in d if k[1] < keep]:
+                del d[k]
+        for k in [k for k in self._syncs if k[1] < keep]:
+            del self._syncs[k]
+
+    def _result(self, st: _Step, infos: list[Info]) -> StepResult:
+        g = self.graph
+        metrics: dict[str, float] = {}
+        sums: dict[str, tuple[float, float]] = {}
+        durations: dict[tuple[str, int | None], float] = {}
+        timing: dict[str, float] = {}
+        for info in infos:
+            key = (info.node, info.mb)
+            d = info.end - info.start
+            durations[key] = max(durations.get(key, 0.0), d)
+            all_ranks_same = g.nodes[info.node].op.dispatch == "all"
+            if all_ranks_same and info.rank != 0:
+                continue
+            w = float(max(info.rows, 1))
+            for name, v in info.metrics.items():
+                s, n = sums.get(name, (0.0, 0.0))
+                sums[name] = (s + w * v, n + w)
+        for key, d in durations.items():
+            timing[key[0]] = timing.get(key[0], 0.0) + d
+        for name, (s, n) in sums.items():
+            metrics[name] = s / n
+        for node, d in timing.items():
+            metrics[f"timing/{node}"] = d
+        start = min((i.start for i in infos), default=st.submitted_at)
+        makespan = max((i.end for i in infos), default=start) - start
+        critical, (pool, work) = bounds_of(self.plan, durations)
+        bound = max(critical, work)
+        metrics["timing/step"] = makespan
+        metrics["scheduler/lower_bound"] = bound
+        metrics["scheduler/critical_path"] = critical
+        metrics["scheduler/efficiency"] = bound / makespan if makespan > 0 else 1.0
+        versions = [i.version for i in infos if i.version is not None and g.nodes[i.node].op.role]
+        if self.graph.state_edges and versions:
+            metrics["scheduler/min_weight_version"] = float(min(versions))
+        data = self._collect(st) if self.fetch else None
+        return StepResult(st.step, metrics, infos, makespan, bound, data)
+
+    def _collect(self, st: _Step) -> DataProto:
+        """The fetched fields of a step, at the finest row space among them
+        (prompt-level columns repeated to sample rows, as a consumer sees them)."""
+        producers = self.graph.producers()
+        spaces = self.plan.spaces
+        target = max((spaces[producers[f][0]] for f in self.fetch), key=lambda sp: sp.factor)
+        handles: list[Any] = []
+        reads: list[ReadSpec] = []
+        for f in self.fetch:
+            node = producers[f][0]
+            if node == "data":
+                shards = [st.src]
+            else:
+                subs = sorted((s for s in st.subs.values() if s.key[0] == node), key=lambda s: s.key[1] or 0)
+                shards = [h for s in subs for h in s.data]
+            handles.extend(shards)
+            reads.append(ReadSpec(len(shards), (f,), None, target.factor // spaces[node].factor))
+        return assemble([self.backend.get(h) for h in handles], tuple(reads))
+
+    def close(self) -> None:
+        if self._started:
+            self.backend.shutdown()
+            self._started = False
+
+    def __enter__(self) -> "Runtime":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,62 @@
+"""Every task invocation, with start and end per worker; step bounds; Chrome traces.
+
+Example::
+
+    timeline.to_chrome_trace("run.trace.json")   # open in ui.perfetto.dev
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from flowrl.runtime.worker import Info
+
+
+class Timeline:
+    """All task records of a run, in arrival order."""
+
+    def __init__(self) -> None:
+        self.records: list[Info] = []
+
+    def add(self, info: Info) -> None:
+        self.records.append(info)
+
+    def of_step(self, step: int) -> list[Info]:
+        return [r for r in self.records if r.step == step]
+
+    def of_node(self, node: str, step: int | None = None) -> list[Info]:
+        return [r for r in self.records if r.node == node and (step is None or r.step == step)]
+
+    def span(self, node: str, step: int) -> tuple[float, float]:
+        """Earliest start and latest end of a node's tasks in a step."""
+        recs = self.of_node(node, step)
+        return min(r.start for r in recs), max(r.end for r in recs)
+
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Write a Chrome/Perfetto trace: one process per pool, one thread per rank."""
+        if not self.records:
+            t0 = 0.0
+        else:
+            t0 = min(r.start for r in self.records)
+        pools = sorted({r.pool for r in self.records})
+        pid = {p: i + 1 for i, p in enumerate(pools)}
+        events: list[dict] = [
+            {"ph": "M", "name": "process_name", "pid": pid[p], "args": {"name": f"pool {p}"}} for p in pools
+        ]
+        for r in self.records:
+            name = r.node if r.mb is None else f"{r.node}[{r.mb}]"
+            events.append({
+                "ph": "X", "name": name, "cat": r.pool, "pid": pid[r.pool], "tid": r.rank,
+                "ts": (r.start - t0) * 1e6, "dur": max(0.0, r.end - r.start) * 1e6,
+                "args": {"step": r.step, "micro_batch": r.mb, "rows": r.rows, "version": r.version,
+                         "worker_pid": r.pid},
+            })
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+        return path
+
+    def to_records(self) -> list[dict]:
+        return [asdict(r) for r in self.records]

@@ -1,0 +1,251 @@
+"""A worker: one process of a pool, hosting every role of that pool (colocation).
+
+The worker owns the role objects (models, optimizers), assembles a task's input
+batch from the upstream outputs it was handed (selecting columns, slicing its
+rows, repeating prompt-level rows to sample level, padding to the world size),
+runs the operator, drops the padding again, and reports what happened (start,
+end, weight version, metrics). The same class runs in-process (local backend)
+and as a Ray actor (ray backend).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowrl.data import DataProto
+from flowrl.runtime.errors import NodeError, StalenessError
+
+
+@dataclass(frozen=True)
+class RoleContext:
+    """What a role factory learns about where it lives."""
+
+    name: str
+    rank: int
+    world_size: int
+    seed: int
+    device: str = "cpu"
+
+
+@dataclass
+class RoleBuild:
+    """How to build one role in a worker: ``factory(config, ctx)``, or share
+    another role's object (a non-frozen derived role in the same pool)."""
+
+    name: str
+    kind: str
+    factory: Any
+    config: Any
+    shares: str | None = None
+
+
+@dataclass
+class NodeEntry:
+    """What a worker needs to run one node: the operator, its parameters, its
+    role, and the node's field renames (graph name → the operator's own name)."""
+
+    op: Any  # OperatorSpec
+    params: Any
+    role: str | None
+    inputs: dict[str, str] = field(default_factory=dict)  # graph field → operator field
+    outputs: dict[str, str] = field(default_factory=dict)  # operator field → graph field
+
+
+@dataclass(frozen=True)
+class ReadSpec:
+    """How ``n`` positional inputs form one upstream read (see ``plan.Read``)."""
+
+    n: int
+    fields: tuple[str, ...]
+    rows: tuple[int, int] | None
+    repeat: int
+
+
+@dataclass
+class Call:
+    """One task on one rank."""
+
+    node: str
+    step: int
+    mb: int | None
+    reads: tuple[ReadSpec, ...]
+    n_gates: int = 0
+    rank: int = 0
+    world: int = 1  # > 1: this rank takes its share of the rows
+    min_version: int | None = None
+
+
+@dataclass
+class Info:
+    """What a task reports back to the driver."""
+
+    node: str
+    step: int
+    mb: int | None
+    pool: str
+    rank: int
+    pid: int
+    start: float
+    end: float
+    rows: int
+    version: int | None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def assemble(inputs: list[DataProto], reads: tuple[ReadSpec, ...]) -> DataProto:
+    """Build a task's batch: per read, concat its shards, take its columns and rows,
+    repeat rows to the consumer's space; then union the reads column-wise."""
+    parts: list[DataProto] = []
+    i = 0
+    for r in reads:
+        shards = inputs[i : i + r.n]
+        i += r.n
+        dp = shards[0] if len(shards) == 1 else DataProto.concat(shards)
+        dp = dp.select(*_split_keys(dp, r.fields))
+        if r.rows is not None:
+            dp = dp[r.rows[0] : r.rows[1]]
+        if r.repeat > 1:
+            dp = dp.repeat(r.repeat, interleave=True)
+        parts.append(dp)
+    out = parts[0] if parts else DataProto()
+    for p in parts[1:]:
+        out = out.union(p)
+    return out
+
+
+def _split_keys(dp: DataProto, fields: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
+    tensor_keys = set(dp.batch.keys()) if dp.batch is not None else set()
+    batch_keys = [f for f in fields if f in tensor_keys]
+    non_tensor = [f for f in fields if f in dp.non_tensor_batch]
+    meta = [f for f in fields if f in dp.meta_info]
+    return batch_keys, non_tensor, meta
+
+
+def rank_rows(n: int, rank: int, world: int) -> tuple[int, int, int]:
+    """Rows ``[lo, hi)`` of ``n`` that ``rank`` owns when ``n`` is padded up to a
+    multiple of ``world``, and the padded shard size every rank gets."""
+    per = -(-n // world)
+    return min(rank * per, n), min((rank + 1) * per, n), per
+
+
+class Worker:
+    """Hosts the roles of one pool at one rank and runs tasks against them."""
+
+    def __init__(
+        self,
+        pool: str,
+        rank: int,
+        world_size: int,
+        roles: list[RoleBuild],
+        nodes: dict[str, NodeEntry],
+        seed: int = 0,
+        threads: int = 1,
+    ) -> None:
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+        self.pool, self.rank, self.world_size = pool, rank, world_size
+        self.label = f"{pool}[{rank}] (pid {os.getpid()})"
+        self.nodes = nodes
+        self.roles: dict[str, Any] = {}
+        self.owner: dict[str, str] = {}  # role → the role whose object (and weights) it uses
+        self.versions: dict[str, int] = {}
+        for rb in roles:
+            if rb.shares is not None:
+                self.roles[rb.name] = self.roles[rb.shares]
+                self.owner[rb.name] = self.owner[rb.shares]
+                continue
+            ctx = RoleContext(rb.name, rank, world_size, seed)
+            try:
+                self.roles[rb.name] = rb.factory(rb.config, ctx)
+            except Exception as e:
+                raise NodeError(f"<role {rb.name}>", 0, None, self.label,
+                                f"building role {rb.name!r} ({rb.kind}) failed: {type(e).__name__}: {e}",
+                                traceback.format_exc()) from None
+            self.owner[rb.name] = rb.name
+            self.versions[rb.name] = 0
+            self._set_version(rb.name)
+
+    # ------------------------------------------------------------------ tasks
+    def execute(self, call: Call, *inputs: DataProto) -> tuple[DataProto, Info]:
+        start = time.time()
+        entry = self.nodes[call.node]
+        role_obj = self.roles.get(entry.role) if entry.role else None
+        version = self.versions[self.owner[entry.role]] if entry.role else None
+        try:
+            if call.min_version is not None and version is not None and version < call.min_version:
+                raise StalenessError(
+                    f"role {entry.role!r} is at weight version {version}, but step {call.step} may use "
+                    f"no older than {call.min_version}"
+                )
+            batch = assemble(list(inputs[call.n_gates :]), call.reads)
+            real = len(batch)
+            pad = 0
+            if call.world > 1 and len(batch):
+                # every rank gets the same number of rows; the padding (copies of
+                # row 0) is cut from the outputs, so it never reaches a consumer
+                lo, hi, per = rank_rows(len(batch), call.rank, call.world)
+                shard, real, pad = batch[lo:hi], hi - lo, per - (hi - lo)
+                batch = DataProto.concat([p for p in [shard] + [batch[0:1]] * pad if len(p)])
+            if entry.inputs:
+                batch.rename(list(entry.inputs), list(entry.inputs.values()))
+            out, metrics = entry.op.run(role_obj, batch, entry.params)
+            if entry.outputs:
+                out.rename(list(entry.outputs), list(entry.outputs.values()))
+            if pad and len(out):
+                out = out[: real * len(out) // len(batch)]
+            if entry.op.updates_role:
+                owner = self.owner[entry.role]
+                self.versions[owner] += 1
+                self._set_version(owner)
+        except StalenessError as e:
+            raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
+        except Exception as e:
+            raise NodeError(call.node, call.step, call.mb, self.label, f"{type(e).__name__}: {e}",
+                            traceback.format_exc()) from None
+        rows = real
+        info = Info(call.node, call.step, call.mb, self.pool, self.rank, os.getpid(), start, time.time(),
+                    rows, version, metrics)
+        return out, info
+
+    # ------------------------------------------------------------------ weights
+    def get_weights(self, role: str) -> tuple[Any, int]:
+        """The weights of ``role`` and their version."""
+        obj = self.roles[role]
+        weights = obj.get_weights() if hasattr(obj, "get_weights") else obj.state_dict()
+        return weights, self.versions[self.owner[role]]
+
+    def set_weights(self, role: str, payload: tuple[Any, int]) -> Info:
+        start = time.time()
+        weights, version = payload
+        obj = self.roles[role]
+        if hasattr(obj, "set_weights"):
+            obj.set_weights(weights)
+        else:
+            obj.load_state_dict(weights)
+        owner = self.owner[role]
+        self.versions[owner] = version
+        self._set_version(owner)
+        return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version)
+
+    def version(self, role: str) -> int:
+        return self.versions[self.owner[role]]
+
+    def role(self, name: str) -> Any:
+        """The role object (local backend and tests)."""
+        return self.roles[name]
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def _set_version(self, owner: str) -> None:
+        for name, o in self.owner.items():
+            if o == owner:
+                try:
+                    setattr(self.roles[name], "version", self.versions[owner])
+                except AttributeError:
+                    pass

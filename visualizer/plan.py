@@ -1,0 +1,102 @@
+"""``flowrl plan``: placement, per-pool order, micro-batching, staleness, and a
+predicted timeline drawn as a Gantt chart — all before any model starts.
+
+Example::
+
+    from flowrl.runtime.plan import make_plan
+    print_plan(make_plan(graph))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from flowrl.runtime.plan import DRIVER, Plan, Simulation
+
+_PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
+
+
+def pool_colors(names: list[str]) -> dict[str, str]:
+    return {n: _PALETTE[i % len(_PALETTE)] for i, n in enumerate(names)}
+
+
+def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 80) -> Group:
+    g = plan.graph
+    colors = pool_colors(list(g.config.pools))
+    colors[DRIVER] = "white"
+    parts: list[Any] = []
+
+    place = Table(title=f"placement — {g.name}", title_justify="left", expand=False)
+    for col in ("pool", "workers", "per worker", "roles (one process)", "nodes"):
+        place.add_column(col, overflow="fold")
+    for pool, cfg in g.config.pools.items():
+        per = f"{cfg.cpus:g} CPU" + (f", {cfg.gpus:g} GPU" if cfg.gpus else "")
+        nodes = [n for n in g.nodes if g.pool_of(n) == pool]
+        place.add_row(Text(pool, style=colors[pool]), str(cfg.workers), per, ", ".join(cfg.roles), ", ".join(nodes))
+    driver_nodes = [n for n in g.nodes if g.pool_of(n) is None]
+    if driver_nodes:
+        place.add_row(Text(DRIVER, style="white"), "-", "0 CPU", "-", ", ".join(driver_nodes))
+    parts.append(place)
+
+    sched = Table(title="schedule", title_justify="left")
+    for col in ("node", "scope", "tasks", "rows", "dispatch"):
+        sched.add_column(col, overflow="fold")
+    for name in g.topological_order():
+        node = g.nodes[name]
+        tasks = plan.node_tasks(name)
+        streamed = tasks[0].mb is not None
+        space = plan.spaces[name]
+        rows = f"× {space.factor}" if space.factor > 1 else "prompts"
+        sched.add_row(name, node.scope, f"{len(tasks)} micro-batches" if streamed else "1 (whole batch)",
+                      rows, node.op.dispatch if node.op else "?")
+    parts.append(sched)
+
+    order = Text("per-pool order (critical path first):\n", style="bold")
+    for pool, keys in plan.pool_order.items():
+        order.append(f"  {pool}: ", style=colors.get(pool, "white"))
+        order.append(" → ".join(k[0] + (f"[{k[1]}]" if k[1] is not None else "") for k in keys) + "\n")
+    parts.append(order)
+
+    stale = Text("state edges (update at step t → use at step t+1):\n", style="bold")
+    if not g.state_edges:
+        stale.append("  none\n")
+    for e in g.state_edges:
+        move = "moves weights across pools" if g.pool_of(e.src) != g.pool_of(e.dst) else "same process, no copy"
+        stale.append(f"  {e.src} ⇢ {e.dst} (role {e.role}, staleness {e.staleness}: {move})\n")
+    parts.append(stale)
+
+    sim = plan.simulate(costs)
+    parts.append(render_gantt(plan, sim, colors, width=width))
+    return Group(*parts)
+
+
+def render_gantt(plan: Plan, sim: Simulation, colors: dict[str, str], width: int = 80) -> Text:
+    """One lane per pool (and the driver); each task a bar labelled with its node."""
+    label_w = max(len(p) for p in list(plan.pool_order) + ["driver"]) + 2
+    bar_w = max(20, width - label_w - 2)
+    scale = bar_w / sim.makespan if sim.makespan > 0 else 1.0
+    out = Text(f"predicted timeline (declared costs): makespan {sim.makespan:.2f}, lower bound "
+               f"{sim.lower_bound:.2f}, efficiency {sim.efficiency:.2f}\n", style="bold")
+    for pool, keys in plan.pool_order.items():
+        lane = [" "] * bar_w
+        for k in keys:
+            a = int(sim.start[k] * scale)
+            b = max(a + 1, int(sim.end[k] * scale))
+            tag = k[0] + (str(k[1]) if k[1] is not None else "")
+            # "▕label━━━": a bar per task, its name as far as it fits
+            cells = ("▕" + tag + "━" * bar_w)[: max(1, b - a)]
+            for i, ch in enumerate(cells):
+                if a + i < bar_w:
+                    lane[a + i] = ch
+        out.append(pool.ljust(label_w), style=colors.get(pool, "white"))
+        out.append("".join(lane) + "\n", style=colors.get(pool, "white"))
+    return out
+
+
+def print_plan(plan: Plan, console: Console | None = None, costs: dict[str, float] | None = None) -> None:
+    console = console or Console()
+    console.print(render_plan(plan, costs, width=console.width))
