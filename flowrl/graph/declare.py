@@ -180,11 +180,34 @@ class OperatorSpec:
             else DataProto(meta_info=meta)
         return out, {k: float(v) for k, v in metrics.items()}
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Operators of installed packages travel by name: the receiving worker
+        # imports the module, which registers the same spec. Anything else (a
+        # graph file's own operator) travels by value.
+        top = self.module.split(".", 1)[0]
+        if top in BY_REFERENCE:
+            return (find_operator, (self.name, self.module))
+        return (OperatorSpec, tuple(getattr(self, f) for f in self.__dataclass_fields__))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Trace into a graph when given a traced batch; otherwise run eagerly."""
         from flowrl.graph import trace
 
         return trace.call_operator(self, *args, **kwargs)
+
+
+#: top-level packages whose operators are pickled by name (importable wherever flowrl is installed)
+BY_REFERENCE = {"operators", "flowrl"}
+
+
+def find_operator(name: str, module: str) -> OperatorSpec:
+    """The registered spec ``name``, importing ``module`` (which declares it) first."""
+    import importlib
+
+    from flowrl.graph.registry import REGISTRY
+
+    importlib.import_module(module)
+    return REGISTRY.operators[name]
 
 
 def _fields(decl: Mapping[str, str | Field] | None, what: str, op: str) -> tuple[Field, ...]:

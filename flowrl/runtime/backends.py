@@ -88,7 +88,7 @@ class LocalBackend(Backend):
         for p in pools:
             for rank in range(p.workers):
                 self.workers[(p.name, rank)] = Worker(p.name, rank, p.workers, p.roles, nodes, seed,
-                                                      threads=max(1, int(p.cpus)))
+                                                      threads=max(1, int(p.cpus)), gpus=p.gpus)
                 self.queues[(p.name, rank)] = _DaemonExecutor(serial=True, name=f"flowrl-{p.name}{rank}")
         self.workers[(DRIVER, 0)] = Worker(DRIVER, 0, 1, [], nodes, seed)
 
@@ -267,7 +267,7 @@ class RayBackend(Backend):
                 self.actors[(p.name, rank)] = actor_cls.options(
                     num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy,
                     name=None, max_restarts=0,
-                ).remote(p.name, rank, p.workers, p.roles, nodes, seed, max(1, int(p.cpus)))
+                ).remote(p.name, rank, p.workers, p.roles, nodes, seed, max(1, int(p.cpus)), p.gpus)
         self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
             DRIVER, 0, 1, [], nodes, seed, 1)
         # surface role-construction errors and dead workers now, not mid-step

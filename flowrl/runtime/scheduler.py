@@ -148,7 +148,7 @@ class Runtime:
                 builds.append(RoleBuild(name, kind, rk.factory, None, shares=cfg.from_))
             else:
                 settings = rk.config.model_validate(roles[root(name)].settings)
-                builds.append(RoleBuild(name, kind, rk.factory, settings))
+                builds.append(RoleBuild(name, kind, rk.factory, settings, frozen=cfg.frozen))
             done.add(name)
 
         for n in names:

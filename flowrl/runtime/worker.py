@@ -28,6 +28,7 @@ class RoleContext:
     rank: int
     world_size: int
     seed: int
+    frozen: bool = False
     device: str = "cpu"
 
 
@@ -41,6 +42,7 @@ class RoleBuild:
     factory: Any
     config: Any
     shares: str | None = None
+    frozen: bool = False
 
 
 @dataclass
@@ -144,10 +146,12 @@ class Worker:
         nodes: dict[str, NodeEntry],
         seed: int = 0,
         threads: int = 1,
+        gpus: float = 0.0,
     ) -> None:
         import torch
 
-        torch.set_num_threads(max(1, threads))
+        self.threads = max(1, threads)
+        torch.set_num_threads(self.threads)
         self.pool, self.rank, self.world_size = pool, rank, world_size
         self.label = f"{pool}[{rank}] (pid {os.getpid()})"
         self.nodes = nodes
@@ -159,7 +163,7 @@ class Worker:
                 self.roles[rb.name] = self.roles[rb.shares]
                 self.owner[rb.name] = self.owner[rb.shares]
                 continue
-            ctx = RoleContext(rb.name, rank, world_size, seed)
+            ctx = RoleContext(rb.name, rank, world_size, seed, rb.frozen, _device(gpus))
             try:
                 self.roles[rb.name] = rb.factory(rb.config, ctx)
             except Exception as e:
@@ -172,6 +176,13 @@ class Worker:
 
     # ------------------------------------------------------------------ tasks
     def execute(self, call: Call, *inputs: DataProto) -> tuple[DataProto, Info]:
+        import torch
+
+        # OpenMP's thread count is per OS thread: a task may run on a thread other than
+        # the one that built this worker (local backend, threaded driver actor), and
+        # two spinning threads per process on shared cores run many times slower
+        if torch.get_num_threads() != self.threads:
+            torch.set_num_threads(self.threads)
         start = time.time()
         entry = self.nodes[call.node]
         role_obj = self.roles.get(entry.role) if entry.role else None
@@ -249,3 +260,13 @@ class Worker:
                     setattr(self.roles[name], "version", self.versions[owner])
                 except AttributeError:
                     pass
+
+
+def _device(gpus: float) -> str:
+    """``cuda`` when this worker was given a GPU (Ray sets CUDA_VISIBLE_DEVICES), else ``cpu``."""
+    if gpus > 0:
+        import torch
+
+        if torch.cuda.is_available():
+            return "cuda"
+    return "cpu"

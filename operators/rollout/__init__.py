@@ -16,8 +16,9 @@ Example::
 from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses, rollout_output
 from operators.rollout.hf_engine import HFRolloutEngine, filter_top_k_top_p, sample_next_token
 from operators.rollout.sglang_engine import SGLangRolloutEngine  # imports sglang only when constructed
+from operators.rollout.ops import generate  # the rollout.generate operator
 
 __all__ = [
     "RolloutEngine", "SamplingParams", "pad_responses", "rollout_output",
-    "HFRolloutEngine", "filter_top_k_top_p", "sample_next_token", "SGLangRolloutEngine",
+    "HFRolloutEngine", "filter_top_k_top_p", "sample_next_token", "SGLangRolloutEngine", "generate",
 ]

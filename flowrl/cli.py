@@ -1,0 +1,210 @@
+"""The ``flowrl`` command: validate, viz, plan, run, ops.
+
+Every command takes a graph: a YAML file, a Python file defining one graph, a
+``module:graph`` import path, or the name of a built-in graph (``grpo``).
+Bad input never prints a Python traceback: it prints what is wrong and where,
+and exits 1 (2 for command-line usage errors).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from enum import Enum
+from typing import Any, Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from flowrl.graph import GraphError, REGISTRY, load_graph
+from flowrl.graph.checks import GraphProblem
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="flowrl: RL for language models as a declarative dataflow graph.",
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+class VizFormat(str, Enum):
+    text = "text"
+    mermaid = "mermaid"
+    dot = "dot"
+    json = "json"
+
+
+class BackendName(str, Enum):
+    ray = "ray"
+    local = "local"
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """``["trainer.steps=5", "data.batch_size=8"]`` → typed values (parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"--set {item!r}: write it as path.to.key=value", param_hint="--set")
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def _print_problems(problems: list[GraphProblem], warnings: list[GraphProblem]) -> None:
+    for p in problems:
+        err_console.print(f"[bold red]error[/] [red]\\[{p.title}][/] {_escape(str(p))}")
+    for w in warnings:
+        err_console.print(f"[yellow]warning[/] [yellow]\\[{w.title}][/] {_escape(str(w))}")
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def _load(ref: str, overrides: dict[str, Any] | None = None):
+    try:
+        return load_graph(ref, overrides=overrides)
+    except GraphError as e:
+        _print_problems(e.problems, e.warnings)
+        raise typer.Exit(1) from None
+
+
+@app.command()
+def validate(
+    graph: str = typer.Argument(..., help="graph: file.yaml, file.py, module:graph, or a built-in name"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
+) -> None:
+    """Check a graph without running anything; exit 1 on any error."""
+    g = _load(graph, parse_overrides(set_))
+    report = g.check()
+    _print_problems(report.errors, report.warnings)
+    if not report.ok:
+        n = len(report.errors)
+        err_console.print(f"[bold red]{g.name}: {n} error{'s' if n != 1 else ''}[/]")
+        raise typer.Exit(1)
+    console.print(
+        f"[bold green]ok[/] {g.name}: {len(g.nodes)} nodes, {g.dag.number_of_edges()} edges, "
+        f"{len(g.config.pools)} pools, {len(report.warnings)} warning(s)"
+    )
+
+
+@app.command()
+def viz(
+    graph: str = typer.Argument(..., help="graph: file.yaml, file.py, module:graph, or a built-in name"),
+    format: VizFormat = typer.Option(VizFormat.text, "--format", "-f", help="text, mermaid, dot or json"),
+    compact: bool = typer.Option(False, "--compact", help="one line per node"),
+    width: Optional[int] = typer.Option(None, "--width", help="terminal width to lay out for"),
+) -> None:
+    """Draw the graph: in the terminal, or as Mermaid / Graphviz / JSON."""
+    from visualizer import export
+    from visualizer.dag import print_dag
+
+    g = _load(graph)
+    if format is VizFormat.text:
+        print_dag(g, console=Console(width=width) if width else console, compact=compact)
+    elif format is VizFormat.mermaid:
+        sys.stdout.write(export.to_mermaid(g) + "\n")
+    elif format is VizFormat.dot:
+        sys.stdout.write(export.to_dot(g) + "\n")
+    else:
+        sys.stdout.write(json.dumps(export.to_json(g), indent=2) + "\n")
+
+
+@app.command()
+def plan(
+    graph: str = typer.Argument(..., help="graph: file.yaml, file.py, module:graph, or a built-in name"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
+) -> None:
+    """Show placement, per-pool order, micro-batching, staleness and a predicted timeline."""
+    from flowrl.runtime.plan import PlanError, make_plan
+    from visualizer.plan import print_plan
+
+    g = _load(graph, parse_overrides(set_))
+    report = g.check()
+    if not report.ok:
+        _print_problems(report.errors, report.warnings)
+        raise typer.Exit(1)
+    try:
+        p = make_plan(g)
+    except PlanError as e:
+        err_console.print(f"[bold red]error[/] {_escape(str(e))}")
+        raise typer.Exit(1) from None
+    print_plan(p, console=console)
+
+
+SHOWN = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/approx_kl",
+         "critic/vf_loss", "timing/step", "scheduler/efficiency")
+
+
+@app.command()
+def run(
+    graph: str = typer.Argument("grpo", help="graph: file.yaml, file.py, module:graph, or a built-in name"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="steps to run (default: trainer.steps)"),
+    out: Optional[str] = typer.Option(None, "--out", help="run directory (default: trainer.out)"),
+    backend: BackendName = typer.Option(BackendName.ray, "--backend", help="ray (default) or local"),
+    address: Optional[str] = typer.Option(None, "--address", help="a Ray cluster to join"),
+    trace: Optional[str] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace here"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
+) -> None:
+    """Train: run the graph for trainer.steps steps, printing and recording metrics."""
+    from flowrl.runtime.errors import RuntimeFailure
+    from flowrl.runtime.trainer import Trainer
+
+    g = _load(graph, parse_overrides(set_))
+    report = g.check()
+    if not report.ok:
+        _print_problems(report.errors, report.warnings)
+        raise typer.Exit(1)
+    total = steps if steps is not None else g.config.trainer.steps
+
+    def show(step: int, row: dict[str, float]) -> None:
+        every = g.config.trainer.log_every
+        if (step + 1) % every and step + 1 != total:
+            return
+        parts = [f"step {step + 1}/{total}"]
+        parts += [f"{k} {row[k]:.4g}" for k in SHOWN if k in row]
+        console.print("  ".join(parts), highlight=False)
+
+    try:
+        trainer = Trainer(g, backend=backend.value, steps=steps, out=out, address=address, trace=trace,
+                          on_step=show)
+        console.print(f"[bold]{g.name}[/]: {total} steps on the {backend.value} backend → {trainer.out}")
+        trainer.run()
+    except RuntimeFailure as e:
+        err_console.print(f"[bold red]run failed[/] {_escape(str(e))}")
+        raise typer.Exit(1) from None
+    except (OSError, ValueError) as e:
+        err_console.print(f"[bold red]error[/] {_escape(f'{type(e).__name__}: {e}')}")
+        raise typer.Exit(1) from None
+    console.print(f"[green]done[/]: metrics in {trainer.out / 'metrics.jsonl'}")
+
+
+@app.command()
+def ops() -> None:
+    """List the registered operators with their fields and parameters."""
+    REGISTRY.load_plugins()
+    table = Table(title="operators", show_lines=False)
+    for col in ("operator", "role", "scope", "reads", "writes", "parameters"):
+        table.add_column(col, overflow="fold")
+    for name in sorted(REGISTRY.operators):
+        op = REGISTRY.operators[name]
+        params = ", ".join(f"{n}={d}" for n, _, d, _ in op.param_table())
+        table.add_row(name, op.role or "-", op.scope, ", ".join(op.input_names), ", ".join(op.output_names), params)
+    console.print(table)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
+
+
+__all__ = ["app", "main", "parse_overrides"]

@@ -1,0 +1,48 @@
+"""The critic: values of each response token's state, and the clipped value update."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from flowrl.graph import Params, operator
+from operators.algos import value_loss
+from operators.logprob import SEQUENCE_IN
+from operators.models import response_values
+
+
+@operator("critic.values", role="critic", scope="row", node_name="values", cost=2.0,
+          inputs=SEQUENCE_IN, outputs={"values": "float32[B, R]"})
+def values(critic, batch, p):
+    """V(s_t) for every response position t."""
+    with torch.no_grad():
+        v = response_values(critic.model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
+                            batch["responses"].shape[1])
+    return {"values": v.float()}
+
+
+class CriticUpdate(Params):
+    cliprange_value: float = Field(0.5, gt=0, description="clip new values to old ± this")
+    loss_agg_mode: str = Field("token-mean", pattern="^(token-mean|seq-mean-token-sum|seq-mean-token-mean)$")
+    mini_batch_size: int | None = Field(None, ge=1, description="rows per optimizer step (default: all)")
+    epochs: int = Field(1, ge=1)
+    micro_batch_size: int | None = Field(None, ge=1, description="rows per forward pass (grad accumulation)")
+
+
+@operator("critic.update", role="critic", scope="batch", dispatch="all", updates_role=True,
+          node_name="update_critic", cost=4.0, params=CriticUpdate,
+          inputs={**SEQUENCE_IN, "response_mask": "int64[B, R]", "values": "float32[B, R]",
+                  "returns": "float32[B, R]"}, outputs={})
+def update(critic, batch, p: CriticUpdate):
+    """L_V = ½ · max((V − R)², (clip(V, V_old ± ε) − R)²), aggregated over tokens."""
+
+    def loss_fn(mb):
+        vpreds = response_values(critic.model, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
+                                 mb["responses"].shape[1])
+        loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
+                                    p.cliprange_value, p.loss_agg_mode)
+        return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac}
+
+    m = critic.fit(batch, loss_fn, mini_batch_size=p.mini_batch_size, epochs=p.epochs,
+                   micro_batch_size=p.micro_batch_size)
+    return {}, {f"critic/{k}": v for k, v in m.items()}

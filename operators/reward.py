@@ -1,0 +1,54 @@
+"""Rewards: rule functions (built-in tasks, gsm8k, user functions) and reward models.
+
+The score of a response lands on its last token: ``token_level_scores[B, R]``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field
+
+from flowrl.graph import Params, operator
+from operators.models import load_tokenizer
+from operators.rewards import compute_scores, place_at_last_token
+
+
+class Rule(Params):
+    fn: str = Field("auto", description="auto (by data_source), a task name, gsm8k, exact, partial, "
+                                        "or pkg.mod:fn / file.py:fn with verl's compute_score signature")
+
+
+@lru_cache(maxsize=4)
+def tokenizer_for(spec: str):
+    return load_tokenizer(spec)
+
+
+@operator(
+    "reward.rule", scope="row", node_name="reward", params=Rule,
+    inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "data_source": "object[B]",
+            "ground_truth": "object[B]", "extra_info": "object[B]", "tokenizer": "meta"},
+    outputs={"token_level_scores": "float32[B, R]"},
+)
+def rule(batch, p: Rule):
+    """score_i = fn(response_i, ground_truth_i), placed on the last response token."""
+    scores, _ = compute_scores(
+        batch["responses"], batch["response_mask"], data_source=batch["data_source"],
+        ground_truth=batch["ground_truth"], extra_info=batch["extra_info"],
+        tokenizer=tokenizer_for(batch.meta_info["tokenizer"]), fn=p.fn,
+    )
+    metrics = {"reward/mean": scores.mean(), "reward/max": scores.max(), "reward/min": scores.min()}
+    return {"token_level_scores": place_at_last_token(scores, batch["response_mask"])}, metrics
+
+
+@operator(
+    "reward.model", role="reward_model", scope="row", node_name="reward_model", cost=2.0,
+    inputs={"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]", "position_ids": "int64[B, T]",
+            "response_mask": "int64[B, R]"},
+    outputs={"token_level_scores": "float32[B, R]"},
+)
+def model(rm, batch, p):
+    """A sequence classifier's scalar score of prompt+response, on the last response token."""
+    scores = rm.scorer.score(batch["input_ids"], batch["attention_mask"], batch["position_ids"])
+    return {"token_level_scores": place_at_last_token(scores, batch["response_mask"])}, {
+        "reward/mean": scores.mean()}

@@ -1,0 +1,47 @@
+"""``rollout.generate``: n samples per prompt from the actor's rollout engine."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from flowrl.graph import Params, operator
+from operators.rollout.base import SamplingParams
+
+
+class Generate(Params):
+    n: int = Field(1, ge=1, description="samples per prompt (a GRPO group)")
+    max_new_tokens: int = Field(16, ge=1, description="response length limit")
+    temperature: float = Field(1.0, ge=0, description="0 or greedy=true: argmax")
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, description="-1: no top-k filtering")
+    greedy: bool = Field(False, description="argmax decoding (validation, ReMax baselines)")
+
+
+SEQUENCE_FIELDS = {
+    "input_ids": "int64[B, T]",
+    "attention_mask": "int64[B, T]",
+    "position_ids": "int64[B, T]",
+    "responses": "int64[B, R]",
+    "response_mask": "int64[B, R]",
+}
+
+
+@operator(
+    "rollout.generate", role="actor", scope="row", expands="n", cost=3.0, node_name="generate",
+    inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]"},
+    outputs={**SEQUENCE_FIELDS, "rollout_log_probs": "float32[B, R]", "weight_version": "int64[B]"},
+    params=Generate,
+)
+def generate(actor, batch, p: Generate):
+    """Sample ``n`` responses per prompt; ``weight_version`` records the policy that made each one."""
+    sampling = SamplingParams(n=p.n, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
+                              top_p=p.top_p, top_k=p.top_k, greedy=p.greedy)
+    out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling)
+    lengths = out["response_mask"].sum(-1).float()
+    version = torch.full((len(lengths),), actor.version, dtype=torch.int64)
+    return (
+        {**{k: out[k] for k in SEQUENCE_FIELDS}, "rollout_log_probs": out["rollout_log_probs"],
+         "weight_version": version},
+        {"response_length/mean": lengths.mean(), "response_length/max": lengths.max()},
+    )
