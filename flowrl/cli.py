@@ -190,7 +190,8 @@ def ops() -> None:
     """List the registered operators with their fields and parameters."""
     REGISTRY.load_plugins()
     table = Table(title="operators", show_lines=False)
-    for col in ("operator", "role", "scope", "reads", "writes", "parameters"):
+    table.add_column("operator", no_wrap=True, style="bold")
+    for col in ("role", "scope", "reads", "writes", "parameters"):
         table.add_column(col, overflow="fold")
     for name in sorted(REGISTRY.operators):
         op = REGISTRY.operators[name]

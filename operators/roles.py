@@ -15,10 +15,11 @@ Example YAML::
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from flowrl.graph import role_kind
 from operators.models import OptimConfig, build_optimizer, clip_grad_norm, load_model
@@ -33,9 +34,20 @@ class RolloutConfig(BaseModel):
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to sglang.Engine")
 
 
+def check_model_path(spec: str) -> str:
+    """``builtin:*`` or an existing local directory — checked with the graph, before any worker starts."""
+    if not spec.startswith("builtin:") and not Path(spec).is_dir():
+        raise ValueError(f"no model directory {spec!r}: pass 'builtin:tiny' or the path of a local "
+                         f"Hugging Face model directory (nothing is downloaded)")
+    return spec
+
+
+ModelPath = Annotated[str, AfterValidator(check_model_path)]
+
+
 class ModelRoleConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str = Field("builtin:tiny", description="'builtin:tiny' or a local Hugging Face directory")
+    model: ModelPath = Field("builtin:tiny", description="'builtin:tiny' or a local Hugging Face directory")
     dtype: Literal["float32", "bfloat16", "bf16", "fp32"] = "float32"
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
 
@@ -94,7 +106,7 @@ class TrainableRole:
                 loss, metrics = loss_fn(batch[rows])
                 (loss * len(rows) / len(mb_rows)).backward()
                 for k, v in metrics.items():
-                    totals.setdefault(k, []).append(float(v))
+                    totals.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else float(v))
             return {}
 
         last: dict[str, float] = {}
@@ -186,7 +198,7 @@ class Critic(TrainableRole):
 
 class RewardModelConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str = Field(..., description="a local sequence-classification model directory (or builtin:tiny)")
+    model: ModelPath = Field(..., description="a local sequence-classification model directory (or builtin:tiny)")
     dtype: Literal["float32", "bfloat16", "bf16", "fp32"] = "float32"
 
 

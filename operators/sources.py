@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flowrl.data import DataProto
 from flowrl.graph import source
@@ -46,6 +46,14 @@ class PromptSourceConfig(BaseModel):
     task_size: int = Field(100_000, ge=1, description="rows of a builtin task")
     val_source: str | None = Field(None, description="held-out prompts for validation")
     val_size: int = Field(256, ge=1, description="rows of a builtin validation task")
+
+    @field_validator("source", "val_source")
+    @classmethod
+    def _exists(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("builtin:") and not Path(v).is_file():
+            raise ValueError(f"no such dataset file {v!r}: give a .parquet or .jsonl file in verl's schema, "
+                             f"or builtin:<task>")
+        return v
 
 
 class PromptSource:
@@ -117,8 +125,4 @@ def builtin_source(cfg: PromptSourceConfig, seed: int = 0, roles: dict[str, Any]
 def file_source(cfg: PromptSourceConfig, seed: int = 0, roles: dict[str, Any] | None = None,
                 split: Literal["train", "val"] = "train") -> PromptSource:
     """A parquet or jsonl file in verl's schema (prompt, data_source, reward_model.ground_truth, extra_info)."""
-    if not Path(cfg.source).is_file():
-        from operators.data import DatasetError
-
-        raise DatasetError(f"data.source: no such file {cfg.source!r}")
     return PromptSource(cfg, seed, default_tokenizer(cfg, roles or {}), split)

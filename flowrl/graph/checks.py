@@ -138,6 +138,13 @@ class DataSourceError(GraphProblem):
     title = "data source"
 
 
+class UnresolvedInputWarning(GraphProblem):
+    """An input with no producer while some node's operator is unknown (likely its output)."""
+
+    severity = "warning"
+    title = "unresolved input"
+
+
 class UnusedOutputWarning(GraphProblem):
     """A node writes a field nobody reads."""
 
@@ -246,6 +253,7 @@ def _check_cycles(graph: Graph, add, limit: int = 5) -> None:
 
 def _check_fields(graph: Graph, add) -> None:
     producers = graph.producers()
+    unresolved = [n for n, node in graph.nodes.items() if node.op is None]
     known = sorted(producers)
     for pname, prods in producers.items():
         if len(prods) > 1:
@@ -269,6 +277,13 @@ def _check_fields(graph: Graph, add) -> None:
                 fix = (f"did you mean {' or '.join(repr(n) for n in near)}? map it with "
                        f"inputs: {{{node.op_field(f.name)}: {near[0]}}}" if near else
                        "add a node that produces it, or declare it as a column of the data source")
+                if unresolved and not near:  # likely an output of the unknown operator: a follow-on
+                    add(UnresolvedInputWarning(
+                        f"input {f.name!r} ({f.spec}) of operator {node.op_name!r} has no producer; it may "
+                        f"be an output of {', '.join(repr(u) for u in unresolved)}, whose operator is unknown",
+                        node=name, field=f.name, location=node.location, fix="fix the unknown operator first",
+                    ))
+                    continue
                 add(MissingProducerError(
                     f"input {f.name!r} ({f.spec}) of operator {node.op_name!r} has no producer",
                     node=name, field=f.name, location=node.location, fix=fix,
@@ -395,5 +410,6 @@ __all__: list[Any] = [
     "GraphProblem", "GraphSyntaxError", "SchemaError", "CycleError", "MissingProducerError",
     "DuplicateProducerError", "FieldTypeError", "UnknownOperatorError", "ParameterError", "RoleError",
     "RoleWithoutPoolError", "PoolError", "ResourceError", "DataSourceError", "UnusedOutputWarning",
+    "UnresolvedInputWarning",
     "Report", "GraphError", "check", "local_resources",
 ]

@@ -182,6 +182,9 @@ def run_eager(spec: Any, *args: Any, **params: Any) -> Any:
         raise TypeError(f"operator {spec.name!r} takes a DataProto, got {type(batch).__name__}")
     p = spec.params.model_validate(params)
     outputs, metrics = spec.run(role, batch, p)
+    factor = spec.expansion(p)
+    if factor > 1:  # n samples per prompt: the prompt's columns repeat to match, as in a graph
+        batch = batch.repeat(factor, interleave=True)
     result = batch.union(outputs) if len(outputs) else batch
     if metrics:
         result.meta_info.setdefault("metrics", {}).update(metrics)

@@ -8,9 +8,9 @@ node's micro-batch m starts as soon as its upstream's micro-batch m is done.
 Steps overlap within the staleness bound. A node using a role at step t reads
 weights no older than version ``t - s`` (version = number of updates applied),
 so it is gated on the update of step ``t - 1 - s``. With ``s = 0`` this is the
-synchronous step, exactly. With ``s >= 1``, the driver keeps up to ``s + 1``
-steps in flight and rollout on its own pool starts step t+1 while step t
-trains. When a role's weights are used on another pool, they move after the
+synchronous step, exactly. The driver keeps ``s + 2`` steps submitted: with
+``s >= 1`` rollout on its own pool starts step t+1 while step t trains; the
+extra step only hides the driver's own work (loading data, submitting). When a role's weights are used on another pool, they move after the
 update: fetched right behind the update in the trainer's queue, loaded into the
 other pool right before the first task that needs them. Every task records the
 version it ran with; a worker refuses to run on weights older than the bound.
@@ -175,7 +175,10 @@ class Runtime:
         end = start_step + steps
         try:
             while t < end or in_flight:
-                while t < end and len(in_flight) <= self.max_staleness:
+                # one step beyond the staleness bound is always submitted ahead: the
+                # state-edge gates keep it from running early, and its data loading
+                # and submission overlap the step in flight instead of following it
+                while t < end and len(in_flight) <= self.max_staleness + 1:
                     in_flight.append(self._submit_step(t, next(source)))
                     t += 1
                 result = self._finish(in_flight.popleft())

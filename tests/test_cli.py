@@ -1,0 +1,94 @@
+"""The flowrl command line: exit codes and what it prints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from flowrl.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, list(args), catch_exceptions=False)
+
+
+def test_validate_ok_and_errors(tmp_path):
+    ok = invoke("validate", "grpo")
+    assert ok.exit_code == 0 and "ok grpo: 4 nodes" in ok.output
+    data = yaml.safe_load((ROOT / "graphs" / "ppo.yaml").read_text())
+    data["nodes"]["advantage"]["op"] = "advantage.gea"
+    data["nodes"]["values"]["inputs"] = {"responses": "respones"}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    res = invoke("validate", str(bad))
+    assert res.exit_code == 1
+    assert "unknown operator 'advantage.gea'" in res.output and "did you mean 'advantage.gae'" in res.output
+    assert "input 'respones'" in res.output and "did you mean 'responses'" in res.output
+    assert "ppo: 2 errors" in res.output
+
+
+def test_validate_malformed_yaml_exits_1_with_line(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("name: x\nnodes: {a: [1, 2\n")
+    res = invoke("validate", str(bad))
+    assert res.exit_code == 1
+    assert f"{bad}:" in res.output and "malformed YAML" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_set_overrides_are_typed_and_checked():
+    res = invoke("validate", "grpo", "--set", "nodes.generate.n=zero")
+    assert res.exit_code == 1 and "parameter 'n'" in res.output
+    res = invoke("validate", "grpo", "--set", "trainer.stepz=3")
+    assert res.exit_code == 1 and "unknown key 'trainer.stepz'" in res.output
+    res = runner.invoke(app, ["validate", "grpo", "--set", "nodes.generate.n"])
+    assert res.exit_code == 2 and "path.to.key=value" in res.output
+
+
+def test_viz_text_and_exports():
+    res = invoke("viz", "ppo", "--width", "80")
+    assert res.exit_code == 0
+    for name in ("generate", "update_actor", "critic.values", "advantage.gae"):
+        assert name in res.output
+    mermaid = invoke("viz", "grpo", "--format", "mermaid").output
+    assert mermaid.startswith("flowchart") and "update_actor" in mermaid
+    graph = json.loads(invoke("viz", "grpo", "--format", "json").output)
+    assert {n["name"] if isinstance(n, dict) else n for n in graph["nodes"]} >= {"generate", "update_actor"}
+
+
+def test_plan_shows_placement_order_and_prediction():
+    res = invoke("plan", "ppo")
+    assert res.exit_code == 0
+    for text in ("placement", "per-pool order", "update_actor ⇢ generate", "predicted timeline", "efficiency"):
+        assert text in res.output
+
+
+def test_ops_lists_the_rl_operators():
+    res = invoke("ops")
+    assert res.exit_code == 0
+    for name in ("rollout.generate", "advantage.grpo", "actor.update", "critic.update", "kl.reward"):
+        assert name in res.output
+
+
+def test_run_writes_metrics(tmp_path):
+    res = invoke("run", "grpo", "--steps", "2", "--backend", "local", "--out", str(tmp_path),
+                 "--set", "data.batch_size=4", "--set", "nodes.generate.n=2", "--trace", str(tmp_path / "t.json"))
+    assert res.exit_code == 0, res.output
+    assert "step 2/2" in res.output and "reward/mean" in res.output
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+
+
+def test_run_with_a_bad_graph_exits_1_and_writes_nothing(tmp_path):
+    res = invoke("run", "grpo", "--steps", "1", "--backend", "local", "--out", str(tmp_path / "run"),
+                 "--set", "roles.actor.model=/nonexistent/model")
+    assert res.exit_code == 1
+    assert "no model directory '/nonexistent/model'" in res.output
+    assert not (tmp_path / "run").exists()
