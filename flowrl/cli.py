@@ -75,6 +75,16 @@ def _load(ref: str, overrides: dict[str, Any] | None = None):
         raise typer.Exit(1) from None
 
 
+def _load_checked(ref: str, set_: list[str] | None):
+    """A graph that passed every check (else its problems are printed and the command exits 1)."""
+    g = _load(ref, parse_overrides(set_))
+    report = g.check()
+    if not report.ok:
+        _print_problems(report.errors, report.warnings)
+        raise typer.Exit(1)
+    return g
+
+
 @app.command()
 def validate(
     graph: str = typer.Argument(..., help="graph: file.yaml, file.py, module:graph, or a built-in name"),
@@ -125,11 +135,7 @@ def plan(
     from flowrl.runtime.plan import PlanError, make_plan
     from visualizer.plan import print_plan
 
-    g = _load(graph, parse_overrides(set_))
-    report = g.check()
-    if not report.ok:
-        _print_problems(report.errors, report.warnings)
-        raise typer.Exit(1)
+    g = _load_checked(graph, set_)
     try:
         p = make_plan(g)
     except PlanError as e:
@@ -156,11 +162,7 @@ def run(
     from flowrl.runtime.errors import RuntimeFailure
     from flowrl.runtime.trainer import Trainer
 
-    g = _load(graph, parse_overrides(set_))
-    report = g.check()
-    if not report.ok:
-        _print_problems(report.errors, report.warnings)
-        raise typer.Exit(1)
+    g = _load_checked(graph, set_)
     total = steps if steps is not None else g.config.trainer.steps
 
     def show(step: int, row: dict[str, float]) -> None:
