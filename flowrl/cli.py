@@ -157,6 +157,7 @@ def run(
     address: Optional[str] = typer.Option(None, "--address", help="a Ray cluster to join"),
     trace: Optional[str] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace here"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
+    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
     from flowrl.runtime.errors import RuntimeFailure
@@ -175,7 +176,7 @@ def run(
 
     try:
         trainer = Trainer(g, backend=backend.value, steps=steps, out=out, address=address, trace=trace,
-                          on_step=show)
+                          on_step=show, resume=resume, say=lambda m: console.print(_escape(m)))
         console.print(f"[bold]{g.name}[/]: {total} steps on the {backend.value} backend → {trainer.out}")
         trainer.run()
     except RuntimeFailure as e:

@@ -54,6 +54,7 @@ class StepResult:
     makespan: float
     lower_bound: float
     data: DataProto | None = None
+    checkpoint: dict[str, Any] | None = None  # states taken right after this step (see run())
 
     @property
     def efficiency(self) -> float:
@@ -75,6 +76,7 @@ class _Step:
     step: int
     submitted_at: float
     src: Any = None  # the handle of the step's source batch
+    snapshot: dict[str, Any] | None = None  # checkpoint handles queued right after this step
     subs: dict[tuple[str, int | None], _Sub] = field(default_factory=dict)
     extra: list[tuple[Any, str, int]] = field(default_factory=list)  # (info handle, pool, rank): syncs
 
@@ -103,6 +105,8 @@ class Runtime:
         self._weights: dict[tuple[str, int], Any] = {}  # (role, step) → weights handle
         self._syncs: dict[tuple[str, int, int], Any] = {}  # (role, step, rank) → set_weights handle
         self._updates: dict[tuple[str, int], list[Any]] = {}  # (role, step) → update info handles
+        self._restored_step = -1
+        self._stop = False
         self._started = False
 
     # ------------------------------------------------------------------ placement
@@ -166,10 +170,20 @@ class Runtime:
         steps: int,
         start_step: int = 0,
         on_step: Callable[[StepResult], None] | None = None,
+        checkpoint: Callable[[int], bool] | None = None,
     ) -> Iterator[StepResult]:
-        """Run ``steps`` steps, yielding each result in order as it finishes."""
+        """Run ``steps`` steps, yielding each result in order as it finishes.
+
+        ``checkpoint(step)`` says which steps' results carry a checkpoint: every
+        worker's state queued right behind that step's tasks (so later steps,
+        already submitted, are not in it), the data position after that step's
+        batch (when ``batches`` has a ``state_dict``) and the weights that
+        in-flight steps will still load. :meth:`request_stop` ends the run after
+        the steps already submitted.
+        """
         self.start()
-        source = iter(batches)
+        self._stop = False
+        source = batches if hasattr(batches, "__next__") else iter(batches)
         in_flight: deque[_Step] = deque()
         t = start_step
         end = start_step + steps
@@ -178,9 +192,14 @@ class Runtime:
                 # one step beyond the staleness bound is always submitted ahead: the
                 # state-edge gates keep it from running early, and its data loading
                 # and submission overlap the step in flight instead of following it
-                while t < end and len(in_flight) <= self.max_staleness + 1:
-                    in_flight.append(self._submit_step(t, next(source)))
+                while t < end and not self._stop and len(in_flight) <= self.max_staleness + 1:
+                    st = self._submit_step(t, next(source))
+                    if checkpoint is not None and checkpoint(t):
+                        st.snapshot = self._queue_snapshot(t, batches)
+                    in_flight.append(st)
                     t += 1
+                if not in_flight:
+                    break
                 result = self._finish(in_flight.popleft())
                 if on_step is not None:
                     on_step(result)
@@ -188,6 +207,42 @@ class Runtime:
         except BaseException:
             self.close()
             raise
+
+    def request_stop(self) -> None:
+        """Submit no further steps; the ones in flight finish (a graceful Ctrl-C)."""
+        self._stop = True
+
+    def _queue_snapshot(self, t: int, source: Any) -> dict[str, Any]:
+        workers = {key: self.backend.call(key[0], key[1], "get_state") for key in self._worker_keys()}
+        return {
+            "step": t,
+            "workers": workers,
+            "source": source.state_dict() if hasattr(source, "state_dict") else None,
+            # weights already fetched for steps still to come (staleness >= 1)
+            "weights": {k: h for k, h in self._weights.items() if k[1] >= t - self.max_staleness},
+        }
+
+    def _worker_keys(self) -> list[tuple[str, int]]:
+        return [(pool, rank) for pool, cfg in self.graph.config.pools.items() for rank in range(cfg.workers)]
+
+    def snapshot_now(self, step: int, source: Any = None) -> dict[str, Any]:
+        """A checkpoint payload of the current state (call when no step is in flight)."""
+        return self._resolve_snapshot(self._queue_snapshot(step, source))
+
+    def _resolve_snapshot(self, snap: dict[str, Any]) -> dict[str, Any]:
+        return {**snap, "workers": {k: self.backend.get(h) for k, h in snap["workers"].items()},
+                "weights": {k: self.backend.get(h) for k, h in snap["weights"].items()}}
+
+    def restore(self, payload: dict[str, Any]) -> None:
+        """Load a checkpoint payload into the (started) workers; the next step is ``payload['step'] + 1``."""
+        self.start()
+        handles = [self.backend.call(pool, rank, "set_state", state)
+                   for (pool, rank), state in payload["workers"].items()]
+        for h in handles:
+            self.backend.get(h)
+        self._weights = {k: self.backend.put(w) for k, w in payload["weights"].items()}
+        # updates before the checkpoint are done: same-pool gates for them are satisfied
+        self._restored_step = payload["step"]
 
     def run_step(self, batch: DataProto, step: int = 0) -> StepResult:
         """Run one step on ``batch`` (synchronously) and return its result."""
@@ -246,6 +301,8 @@ class Runtime:
     def _gate(self, e: StateEdge, j: int, pool: str, rank: int, st: _Step) -> Any:
         """A handle that is ready once the update of step j is visible to (pool, rank)."""
         if not self._crosses_pools(e):
+            if (e.role, j) not in self._updates and j <= self._restored_step:
+                return self.backend.put(None)  # done before the checkpoint this run resumed from
             return self._updates[(e.role, j)][0]
         dst_role = self.graph.nodes[e.dst].role
         key = (dst_role, j, rank)
@@ -279,7 +336,10 @@ class Runtime:
                 self.timeline.add(info)
             self._watchdog(st, pending, ended)
         self._clear_before(st.step)
-        return self._result(st, infos)
+        result = self._result(st, infos)
+        if st.snapshot is not None:
+            result.checkpoint = self._resolve_snapshot(st.snapshot)
+        return result
 
     def _watchdog(self, st: _Step, pending: dict, ended: dict) -> None:
         now = time.time()

@@ -4,6 +4,11 @@ Each step's metrics go to ``<out>/metrics.jsonl`` (one JSON object per line,
 ``step`` included) and to a callback (the CLI prints them). The resolved graph
 config is written to ``<out>/config.yaml`` before the first step.
 
+Every ``trainer.checkpoint_every`` steps, at the end, and on a graceful stop
+(Ctrl-C: the steps in flight finish, then it saves), a checkpoint goes to
+``<out>/checkpoints``. ``resume=True`` continues from the newest loadable one:
+N uninterrupted steps and k steps + resume + N−k steps give the same metrics.
+
 Example::
 
     trainer = Trainer(load_graph("grpo"), backend="local", steps=5, out="runs/try")
@@ -15,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -22,6 +29,7 @@ from typing import Any, Callable
 import yaml
 
 from flowrl.graph import REGISTRY, Graph
+from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore, differences, fingerprint
 from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.scheduler import Runtime, StepResult
 
@@ -43,6 +51,8 @@ class Trainer:
         address: str | None = None,
         trace: str | Path | None = None,
         on_step: Callable[[int, dict[str, float]], None] | None = None,
+        resume: bool = False,
+        say: Callable[[str], None] = print,
     ) -> None:
         self.graph = graph
         cfg = graph.config
@@ -56,30 +66,108 @@ class Trainer:
         self.source = spec.factory(spec.config.model_validate(cfg.data.dump()), seed=cfg.trainer.seed,
                                    roles=cfg.roles)
         self.history: list[dict[str, float]] = []
+        self.resume, self.say = resume, say
+        self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
+        self.stopped = False
 
     def run(self) -> list[dict[str, float]]:
+        cfg = self.graph.config
+        start_step = self._resume() if self.resume else 0
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(yaml.safe_dump(self.graph.config.dump(), sort_keys=False))
-        metrics_path = self.out / "metrics.jsonl"
+        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
+        every = cfg.trainer.checkpoint_every
+        last = self.steps - 1
         start = time.time()
+        restore_sigint = self._install_sigint()
+        done = start_step - 1
         try:
-            with metrics_path.open("a") as sink:
-                for result in self.runtime.run(self.source, steps=self.steps):
+            with (self.out / "metrics.jsonl").open("a") as sink:
+                results = self.runtime.run(
+                    self.source, steps=self.steps - start_step, start_step=start_step,
+                    checkpoint=lambda t: bool(every) and ((t + 1) % every == 0 or t == last))
+                for result in results:
                     row = self._row(result, start)
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
                     self.history.append(row)
+                    done = result.step
+                    if result.checkpoint is not None:
+                        self._save(result.step, result.checkpoint)
                     if self.on_step is not None:
                         self.on_step(result.step, row)
+            if self.stopped and done >= start_step:
+                self._save(done, self.runtime.snapshot_now(done, self.source))
+                self.say(f"stopped after step {done + 1}; checkpoint saved, continue with --resume")
         finally:
+            restore_sigint()
             if self.trace is not None:
                 self.runtime.timeline.to_chrome_trace(self.trace)
             self.runtime.close()
         return self.history
 
+    # ------------------------------------------------------------------ checkpoints
+    def _save(self, step: int, payload: dict[str, Any]) -> None:
+        meta = {"graph": fingerprint(self.graph.config.dump()), "name": self.graph.name,
+                "saved_at": time.time()}
+        path = self.store.save(step, payload, meta)
+        self.say(f"checkpoint: {path}")
+
+    def _resume(self) -> int:
+        payload, meta, path = self.store.load_latest(warn=self.say)
+        diff = differences(meta["graph"], fingerprint(self.graph.config.dump()))
+        if diff:
+            raise CheckpointError(
+                f"checkpoint {path} belongs to a different graph or config; it differs in: "
+                + "; ".join(diff[:10]) + ("; ..." if len(diff) > 10 else "")
+                + ". Resume with the graph it was written by, or start a new run directory (--out)."
+            )
+        step = int(payload["step"])
+        if step + 1 >= self.steps:
+            raise CheckpointError(f"checkpoint {path} is at step {step + 1} of {self.steps}: nothing left to run "
+                                  f"(raise --steps)")
+        self.runtime.restore(payload)
+        if payload["source"] is not None:
+            self.source.load_state_dict(payload["source"])
+        self._truncate_metrics(step + 1)
+        self.say(f"resuming from {path} at step {step + 2}")
+        return step + 1
+
+    def _truncate_metrics(self, keep_through: int) -> None:
+        """Drop metric rows written after the checkpoint: those steps run again, identically."""
+        path = self.out / "metrics.jsonl"
+        if not path.is_file():
+            return
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= keep_through]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+
+    def _install_sigint(self) -> Callable[[], None]:
+        """First Ctrl-C: finish the steps in flight, save, stop. A second one interrupts."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+        previous = signal.getsignal(signal.SIGINT)
+
+        def handler(signum: int, frame: Any) -> None:
+            if self.stopped:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            self.stopped = True
+            self.runtime.request_stop()
+            self.say("stopping: finishing the steps in flight, then saving a checkpoint (Ctrl-C again to abort)")
+
+        signal.signal(signal.SIGINT, handler)
+        return lambda: signal.signal(signal.SIGINT, previous)
+
     def _row(self, result: StepResult, start: float) -> dict[str, Any]:
-        bad = [k for k, v in result.metrics.items() if not math.isfinite(v)]
+        bad = sorted(k for k, v in result.metrics.items() if not math.isfinite(v))
         if bad:
-            raise NonFiniteError(f"step {result.step}: {', '.join(sorted(bad))} is not finite "
-                                 f"({', '.join(f'{k}={result.metrics[k]}' for k in sorted(bad))})")
+            nodes = sorted({i.node for i in result.infos if any(not math.isfinite(v) for v in i.metrics.values())})
+            kept = self.store.complete()
+            raise NonFiniteError(
+                f"step {result.step + 1}: {', '.join(f'{k}={result.metrics[k]}' for k in bad)} from node(s) "
+                f"{', '.join(repr(n) for n in nodes) or '?'}; stopping. "
+                + (f"The last good checkpoint is {kept[0]}." if kept else "No checkpoint was written yet.")
+            )
         return {"step": result.step + 1, **result.metrics, "timing/elapsed": time.time() - start}

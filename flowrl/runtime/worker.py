@@ -243,6 +243,22 @@ class Worker:
         self._set_version(owner)
         return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version)
 
+    def get_state(self) -> dict[str, Any]:
+        """Every role's state (weights, optimizer, RNG...) and weight version, for a checkpoint.
+
+        Queued like any task, so it captures the state exactly between two tasks."""
+        states = {name: self.roles[name].state_dict() for name, owner in self.owner.items()
+                  if owner == name and hasattr(self.roles[name], "state_dict")}
+        return {"roles": states, "versions": dict(self.versions)}
+
+    def set_state(self, state: dict[str, Any]) -> int:
+        for name, role_state in state["roles"].items():
+            self.roles[name].load_state_dict(role_state)
+        self.versions.update(state["versions"])
+        for owner in self.versions:
+            self._set_version(owner)
+        return len(state["roles"])
+
     def version(self, role: str) -> int:
         return self.versions[self.owner[role]]
 
