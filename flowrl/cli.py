@@ -144,10 +144,6 @@ def plan(
     print_plan(p, console=console)
 
 
-SHOWN = ("reward/mean", "response_length/mean", "actor/pg_loss", "actor/entropy", "actor/approx_kl",
-         "critic/vf_loss", "timing/step", "scheduler/efficiency")
-
-
 @app.command()
 def run(
     graph: str = typer.Argument("grpo", help="graph: file.yaml, file.py, module:graph, or a built-in name"),
@@ -162,29 +158,24 @@ def run(
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
     from flowrl.runtime.errors import RuntimeFailure
     from flowrl.runtime.trainer import Trainer
+    from visualizer.live import LiveView
 
     g = _load_checked(graph, set_)
     total = steps if steps is not None else g.config.trainer.steps
-
-    def show(step: int, row: dict[str, float]) -> None:
-        every = g.config.trainer.log_every
-        if (step + 1) % every and step + 1 != total:
-            return
-        parts = [f"step {step + 1}/{total}"]
-        parts += [f"{k} {row[k]:.4g}" for k in SHOWN if k in row]
-        console.print("  ".join(parts), highlight=False)
-
     try:
-        trainer = Trainer(g, backend=backend.value, steps=steps, out=out, address=address, trace=trace,
-                          on_step=show, resume=resume, say=lambda m: console.print(_escape(m)))
-        console.print(f"[bold]{g.name}[/]: {total} steps on the {backend.value} backend → {trainer.out}")
-        trainer.run()
+        with LiveView(g, total_steps=total, console=console) as view:
+            trainer = Trainer(g, backend=backend.value, steps=steps, out=out, address=address, trace=trace,
+                              on_step=view.step, on_progress=view.progress, resume=resume, say=view.say)
+            view.say(f"{g.name}: {total} steps on the {backend.value} backend → {trainer.out}")
+            trainer.run()
     except RuntimeFailure as e:
         err_console.print(f"[bold red]run failed[/] {_escape(str(e))}")
         raise typer.Exit(1) from None
     except (OSError, ValueError) as e:
         err_console.print(f"[bold red]error[/] {_escape(f'{type(e).__name__}: {e}')}")
         raise typer.Exit(1) from None
+    if trainer.stopped:
+        raise typer.Exit(130)
     console.print(f"[green]done[/]: metrics in {trainer.out / 'metrics.jsonl'}")
 
 

@@ -93,6 +93,7 @@ class Runtime:
         resources: dict[str, float] | None = None,
         fetch: Iterable[str] = (),
         poll_s: float = 0.05,
+        on_progress: Callable[[int, dict[str, str]], None] | None = None,
     ) -> None:
         report = graph.check(resources=resources)
         report.raise_if_errors()
@@ -102,6 +103,7 @@ class Runtime:
         self.timeline = Timeline()
         self.fetch = tuple(fetch)
         self.poll_s = poll_s
+        self.on_progress = on_progress
         self._weights: dict[tuple[str, int], Any] = {}  # (role, step) → weights handle
         self._syncs: dict[tuple[str, int, int], Any] = {}  # (role, step, rank) → set_weights handle
         self._updates: dict[tuple[str, int], list[Any]] = {}  # (role, step) → update info handles
@@ -329,17 +331,37 @@ class Runtime:
                 try:
                     info = self.backend.get(h)
                 except BaseException as exc:  # noqa: BLE001 - every failure becomes a named one
+                    if self.on_progress is not None and key is not None:
+                        self.on_progress(st.step, {**self._states(st, ended), key[0]: "failed"})
                     raise self._failure(exc, st.step, key, pool, rank) from None
                 if key is not None:
                     ended[key] = max(ended.get(key, 0.0), info.end)
                     infos.append(info)
                 self.timeline.add(info)
+            if done and self.on_progress is not None:
+                self.on_progress(st.step, self._states(st, ended))
             self._watchdog(st, pending, ended)
         self._clear_before(st.step)
         result = self._result(st, infos)
         if st.snapshot is not None:
             result.checkpoint = self._resolve_snapshot(st.snapshot)
         return result
+
+    def _states(self, st: _Step, ended: dict) -> dict[str, str]:
+        """Each node's state in step ``st``: done, running (inputs ready) or waiting."""
+        states: dict[str, str] = {}
+        for key, task in self.plan.tasks.items():
+            if key in ended:
+                state = "done"
+            elif all(d in ended for d in task.deps):
+                state = "running"
+            else:
+                state = "waiting"
+            prev = states.get(task.node)
+            # a node is done when all its micro-batches are; running when any is
+            if prev is None or state == "running" or (prev == "done" and state != "done"):
+                states[task.node] = state
+        return states
 
     def _watchdog(self, st: _Step, pending: dict, ended: dict) -> None:
         now = time.time()

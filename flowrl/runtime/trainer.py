@@ -53,6 +53,7 @@ class Trainer:
         on_step: Callable[[int, dict[str, float]], None] | None = None,
         resume: bool = False,
         say: Callable[[str], None] = print,
+        on_progress: Callable[[int, dict[str, str]], None] | None = None,
     ) -> None:
         self.graph = graph
         cfg = graph.config
@@ -60,7 +61,7 @@ class Trainer:
         self.out = Path(out or cfg.trainer.out or f"runs/{cfg.name}")
         self.trace = Path(trace) if trace else None
         self.on_step = on_step
-        self.runtime = Runtime(graph, backend=backend, address=address)
+        self.runtime = Runtime(graph, backend=backend, address=address, on_progress=on_progress)
         kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
         spec = REGISTRY.source(kind)
         self.source = spec.factory(spec.config.model_validate(cfg.data.dump()), seed=cfg.trainer.seed,
@@ -69,6 +70,7 @@ class Trainer:
         self.resume, self.say = resume, say
         self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.stopped = False
+        self._last_end: float | None = None
 
     def run(self) -> list[dict[str, float]]:
         cfg = self.graph.config
@@ -170,4 +172,14 @@ class Trainer:
                 f"{', '.join(repr(n) for n in nodes) or '?'}; stopping. "
                 + (f"The last good checkpoint is {kept[0]}." if kept else "No checkpoint was written yet.")
             )
-        return {"step": result.step + 1, **result.metrics, "timing/elapsed": time.time() - start}
+        now = time.time()
+        row = {"step": result.step + 1, **result.metrics, "timing/elapsed": now - start}
+        # throughput over wall time between finished steps (it includes any overlap across steps)
+        wall = now - self._last_end if self._last_end is not None else result.makespan
+        self._last_end = now
+        samples = self.graph.config.data.batch_size * max(sp.factor for sp in self.runtime.plan.spaces.values())
+        if wall > 0:
+            row["throughput/samples_per_s"] = samples / wall
+            if "response_length/mean" in row:
+                row["throughput/tokens_per_s"] = samples * row["response_length/mean"] / wall
+        return row

@@ -1,0 +1,56 @@
+"""The live run view: terminal rendering, plain non-TTY lines, sparklines, pool load."""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from flowrl.graph import load_graph
+from visualizer.live import LiveView, pool_busy, sparkline
+
+
+def test_sparkline_scales_to_the_range():
+    assert sparkline([0, 1, 2, 3, 4, 5, 6, 7]) == "▁▂▃▄▅▆▇█"
+    assert sparkline([3.0, 3.0, 3.0]) == "▁▁▁"
+    assert sparkline([]) == ""
+    assert len(sparkline(list(range(100)), width=10)) == 10
+
+
+def test_pool_busy_is_node_time_over_step_time():
+    g = load_graph("ppo")
+    row = {"timing/step": 2.0, "timing/generate": 0.5, "timing/old_logprob": 0.3, "timing/update_actor": 0.7,
+           "timing/values": 0.4, "timing/update_critic": 0.6, "timing/advantage": 0.1}
+    busy = pool_busy(g, row)
+    assert busy == {"train": (0.5 + 0.3 + 0.7) / 2.0, "critic": (0.4 + 0.6) / 2.0}
+
+
+def test_non_tty_output_is_plain_and_throttled():
+    g = load_graph("grpo")
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    with LiveView(g, total_steps=50, console=console, min_interval_s=3600) as view:
+        assert not view.interactive
+        for step in range(50):
+            view.progress(step, {"generate": "running"})
+            view.step(step, {"reward/mean": step / 100, "timing/step": 0.1, "timing/generate": 0.05})
+    lines = out.getvalue().splitlines()
+    assert lines == [
+        "step 1/50  reward/mean 0  timing/step 0.1",
+        "step 50/50  reward/mean 0.49  timing/step 0.1",
+    ]
+    assert "\x1b[" not in out.getvalue()  # no escape codes in a log
+
+
+def test_terminal_view_shows_states_durations_and_metrics():
+    g = load_graph("ppo")
+    console = Console(file=io.StringIO(), force_terminal=True, width=120, color_system=None)
+    view = LiveView(g, total_steps=10, console=console)
+    view.step(0, {"reward/mean": 0.25, "timing/step": 1.0, "timing/generate": 0.4, "timing/values": 0.5})
+    view.progress(1, {"generate": "done", "values": "running", "update_actor": "waiting"})
+    rec = Console(width=120, record=True, color_system=None, file=io.StringIO())
+    rec.print(view.render())
+    text = rec.export_text()
+    for expected in ("1/10", "generate", "done · 0.40 s", "running · 0.50 s", "waiting", "reward/mean",
+                     "0.25", "pools busy: train 40%  critic 50%"):
+        assert expected in text, expected
