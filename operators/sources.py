@@ -45,7 +45,7 @@ class PromptSourceConfig(BaseModel):
     shuffle: bool = True
     task_size: int = Field(100_000, ge=1, description="rows of a builtin task")
     val_source: str | None = Field(None, description="held-out prompts for validation")
-    val_size: int = Field(256, ge=1, description="rows of a builtin validation task")
+    val_size: int = Field(128, ge=1, description="prompts per validation (a builtin task generates this many)")
 
     @field_validator("source", "val_source")
     @classmethod
@@ -62,7 +62,7 @@ class PromptSource:
     def __init__(self, cfg: PromptSourceConfig, seed: int = 0, tokenizer: str = "builtin:tiny",
                  split: Literal["train", "val"] = "train") -> None:
         self.cfg, self.tokenizer_spec = cfg, tokenizer
-        tok = load_tokenizer(tokenizer)
+        self.tokenizer = tok = load_tokenizer(tokenizer)
         spec = cfg.source if split == "train" else (cfg.val_source or cfg.source)
         # a builtin validation set is drawn from another seed: prompts the policy never trained on
         data_seed = seed if split == "train" else seed + 7919
@@ -70,7 +70,9 @@ class PromptSource:
         self.dataset = load_dataset(spec, tok, seed=data_seed, task_size=size,
                                     max_prompt_length=cfg.max_prompt_length, truncation=cfg.truncation,
                                     filter_overlong_prompts=cfg.filter_overlong_prompts)
-        self.loader = PromptLoader(self.dataset, cfg.batch_size, shuffle=cfg.shuffle and split == "train",
+        # validation takes its whole held-out set (up to val_size prompts) as one batch
+        batch = cfg.batch_size if split == "train" else min(cfg.val_size, len(self.dataset))
+        self.loader = PromptLoader(self.dataset, batch, shuffle=cfg.shuffle and split == "train",
                                    seed=seed, drop_last=split == "train")
         self.step = 0
 
@@ -84,6 +86,10 @@ class PromptSource:
                          "extra_info": b["extra_info"], "uid": uid},
             meta_info={"tokenizer": self.tokenizer_spec},
         )
+
+    def decode(self, ids: list[int]) -> str:
+        """Token ids as text, special tokens dropped (for rollout dumps)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def __iter__(self) -> "PromptSource":
         return self

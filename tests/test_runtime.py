@@ -192,3 +192,23 @@ def test_plan_orders_critical_path_first_and_predicts_overlap():
     total = sum(t.cost for t in plan.tasks.values())
     assert sim.makespan < total
     assert sim.lower_bound <= sim.makespan + 1e-9
+
+
+def test_after_edges_hold_across_pools(tmp_path):
+    # values (critic pool) must wait for all of old_logprob (train pool), though no field links them
+    g = graph_from("ppo.yaml", tmp_path, nodes__values={"op": "test.values", "role": "critic",
+                                                       "after": ["old_logprob"]},
+                   nodes__old_logprob={"op": "test.old_logprob", "role": "actor", "sleep_s": 0.1})
+    with Runtime(g, backend="local", resources=BIG) as rt:
+        rt.run_step(next(batches(4)))
+        assert rt.timeline.span("values", 0)[0] >= rt.timeline.span("old_logprob", 0)[1]
+
+
+def test_run_step_can_be_called_repeatedly():
+    g = load_graph(HERE / "data" / "ppo.yaml")
+    with Runtime(g, backend="local", resources=BIG, fetch=["policy_version"]) as rt:
+        source = batches(4)
+        first = rt.run_step(next(source), step=0)
+        second = rt.run_step(next(source), step=1)
+    assert first.data.batch["policy_version"].tolist() == [0] * 4
+    assert second.data.batch["policy_version"].tolist() == [1] * 4

@@ -32,7 +32,7 @@ from visualizer.dag import pool_colors, render_dag
 #: the metrics shown, in order, when present
 SHOWN = (
     "reward/mean", "response_length/mean", "actor/pg_loss", "actor/approx_kl", "actor/entropy",
-    "actor/reward_kl_penalty", "critic/vf_loss", "throughput/tokens_per_s", "timing/step",
+    "actor/reward_kl_penalty", "critic/vf_loss", "val/reward/mean", "throughput/tokens_per_s", "timing/step",
     "scheduler/efficiency",
 )
 SPARKS = "▁▂▃▄▅▆▇█"

@@ -117,9 +117,10 @@ class TrainerConfig(_Strict):
     out: str | None = None
     checkpoint_every: int = Field(0, ge=0)
     keep_checkpoints: int = Field(3, ge=1)
-    val_every: int = Field(0, ge=0)
-    dump_rollouts: bool = False
+    val_every: int = Field(0, ge=0, description="greedy validation every N steps (0: never)")
+    dump_rollouts: bool = Field(False, description="write each step's prompts, responses, rewards to JSONL")
     log_every: int = Field(1, ge=1)
+    wandb_project: str | None = Field(None, description="also log to this wandb project (needs wandb)")
 
 
 class NodeConfig(BaseModel):

@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,8 +146,10 @@ class _DaemonExecutor:
         self.serial, self.name = serial, name
         self.queue: queue.Queue = queue.Queue()
         self.closed = False
+        self.thread: threading.Thread | None = None
         if serial:
-            threading.Thread(target=self._loop, name=name, daemon=True).start()
+            self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+            self.thread.start()
 
     def submit(self, fn: Any) -> cf.Future:
         fut: cf.Future = cf.Future()
@@ -184,6 +187,10 @@ class _DaemonExecutor:
                 except (queue.Empty, TypeError):
                     break
             self.queue.put(None)
+            # let an idle thread leave before the interpreter tears torch down under it
+            # (a thread still inside torch at exit aborts the process); a hung one stays
+            if self.thread is not None and self.thread is not threading.current_thread():
+                self.thread.join(timeout=2.0)
 
 
 class _Projection:
@@ -251,7 +258,7 @@ class RayBackend(Backend):
             if not bundle:
                 bundle = {"CPU": 0.001}
             pg = placement_group([dict(bundle) for _ in range(p.workers)], strategy="PACK",
-                                 name=f"flowrl-{p.name}-{os.getpid()}")
+                                 name=f"flowrl-{p.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self.groups.append(pg)
             try:
                 ray.get(pg.ready(), timeout=self.placement_timeout_s)

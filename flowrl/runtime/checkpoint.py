@@ -29,7 +29,7 @@ from flowrl.runtime.errors import RuntimeFailure
 
 #: trainer keys that may change between a run and its resumption
 RESUMABLE_KEYS = ("steps", "out", "checkpoint_every", "keep_checkpoints", "log_every", "val_every",
-                  "dump_rollouts")
+                  "dump_rollouts", "wandb_project")
 
 
 class CheckpointError(RuntimeFailure):

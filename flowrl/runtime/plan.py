@@ -12,10 +12,13 @@ A consumer reading fields of both spaces gets the prompt-level columns repeated
 to match (verl's ``repeat(n, interleave=True)``), so ``ground_truth`` and
 ``uid`` reach the reward and the GRPO grouping without any user code.
 
-Nodes on one pool run one at a time, in an order chosen here: a topological
-order of the task graph by descending *upward rank* (the longest path from a
-task to the end of the step, by cost) — critical path first. Nodes on
-different pools run concurrently; driver nodes run as soon as their inputs are.
+Nodes on one pool run one at a time, in an order chosen here by list
+scheduling the step with the declared costs: repeatedly, the task that can
+start earliest (its inputs done, its pool free) goes next; among equals, the
+one with the longest path to the end of the step (its *upward rank*) —
+critical path first. So a pool fills the time it would spend waiting for one
+upstream micro-batch with work that is already ready. Nodes on different pools
+run concurrently; driver nodes run as soon as their inputs are.
 
 Example::
 
@@ -218,14 +221,32 @@ def _upward_ranks(tasks: dict[tuple[str, int | None], Task]) -> None:
 
 
 def _priority_order(tasks: dict[tuple[str, int | None], Task]) -> list[tuple[str, int | None]]:
-    """Topological order; among ready tasks, the longest remaining path first."""
-    g = nx.DiGraph()
-    for key, t in tasks.items():
-        g.add_node(key)
-        for d in t.deps:
-            g.add_edge(d, key)
+    """List-schedule the tasks by declared cost; the order they start in (a topological order)."""
     seq = {key: i for i, key in enumerate(tasks)}
-    return list(nx.lexicographical_topological_sort(g, key=lambda k: (-tasks[k].rank, seq[k])))
+    end: dict[tuple[str, int | None], float] = {}
+    pool_free: dict[str, float] = {}
+    order: list[tuple[str, int | None]] = []
+    left = set(tasks)
+    while left:
+        best, best_key = None, None
+        for key in left:
+            t = tasks[key]
+            if not all(d in end for d in t.deps):
+                continue
+            start = max((end[d] for d in t.deps), default=0.0)
+            if t.pool != DRIVER:
+                start = max(start, pool_free.get(t.pool, 0.0))
+            rank_key = (round(start, 9), -t.rank, seq[key])
+            if best is None or rank_key < best:
+                best, best_key = rank_key, key
+        assert best_key is not None, "the task graph has a cycle"
+        t = tasks[best_key]
+        end[best_key] = best[0] + t.cost
+        if t.pool != DRIVER:
+            pool_free[t.pool] = end[best_key]
+        order.append(best_key)
+        left.remove(best_key)
+    return order
 
 
 # ---------------------------------------------------------------- prediction
@@ -274,16 +295,29 @@ def simulate(plan: Plan, costs: dict[str, float] | None = None) -> Simulation:
 
 
 def bounds_of(plan: Plan, durations: dict[tuple[str, int | None], float]) -> tuple[float, tuple[str, float]]:
-    """The two lower bounds of a step's makespan given task durations:
-    the critical path through the task graph, and the busiest pool's total work."""
-    longest: dict[Any, float] = {}
+    """Two lower bounds of a step's makespan given task durations: the critical path
+    through the task graph, and the tightest pool bound — a pool runs its tasks one at a
+    time, cannot start before the earliest of them can, and after its last one ends at
+    least the shortest remaining path is left: ``min head + Σ work + min tail``."""
+    dur = {k: durations.get(k, 0.0) for k in plan.tasks}
+    head: dict[Any, float] = {}
     for key in plan.order:
-        t = plan.tasks[key]
-        longest[key] = durations.get(key, 0.0) + max((longest[d] for d in t.deps), default=0.0)
-    work: dict[str, float] = {}
-    for key, d in durations.items():
-        pool = plan.tasks[key].pool
-        if pool != DRIVER:
-            work[pool] = work.get(pool, 0.0) + d
-    busiest = max(work.items(), key=lambda kv: kv[1], default=("", 0.0))
-    return max(longest.values(), default=0.0), busiest
+        head[key] = max((head[d] + dur[d] for d in plan.tasks[key].deps), default=0.0)
+    succ: dict[Any, list[Any]] = {k: [] for k in plan.tasks}
+    for key, t in plan.tasks.items():
+        for d in t.deps:
+            succ[d].append(key)
+    tail: dict[Any, float] = {}
+    for key in reversed(plan.order):
+        tail[key] = max((dur[s] + tail[s] for s in succ[key]), default=0.0)
+    critical = max((head[k] + dur[k] + tail[k] for k in plan.tasks), default=0.0)
+    per_pool: dict[str, list[Any]] = {}
+    for key, t in plan.tasks.items():
+        if t.pool != DRIVER:
+            per_pool.setdefault(t.pool, []).append(key)
+    pools = {
+        pool: min(head[k] for k in keys) + sum(dur[k] for k in keys) + min(tail[k] for k in keys)
+        for pool, keys in per_pool.items()
+    }
+    tightest = max(pools.items(), key=lambda kv: kv[1], default=("", 0.0))
+    return critical, tightest

@@ -55,6 +55,7 @@ class StepResult:
     lower_bound: float
     data: DataProto | None = None
     checkpoint: dict[str, Any] | None = None  # states taken right after this step (see run())
+    val_metrics: dict[str, float] | None = None  # greedy validation right after this step
 
     @property
     def efficiency(self) -> float:
@@ -77,6 +78,10 @@ class _Step:
     submitted_at: float
     src: Any = None  # the handle of the step's source batch
     snapshot: dict[str, Any] | None = None  # checkpoint handles queued right after this step
+    graph: Graph | None = None  # what this step runs (the training graph, or the validation graph)
+    plan: Plan | None = None
+    prefix: str = ""  # "" for training steps, "val:" for validation
+    validation: "_Step | None" = None  # a validation run queued right behind this step
     subs: dict[tuple[str, int | None], _Sub] = field(default_factory=dict)
     extra: list[tuple[Any, str, int]] = field(default_factory=list)  # (info handle, pool, rank): syncs
 
@@ -94,11 +99,14 @@ class Runtime:
         fetch: Iterable[str] = (),
         poll_s: float = 0.05,
         on_progress: Callable[[int, dict[str, str]], None] | None = None,
+        validation: Graph | None = None,
     ) -> None:
         report = graph.check(resources=resources)
         report.raise_if_errors()
         self.graph = graph
         self.plan: Plan = make_plan(graph)
+        self.val_graph = validation
+        self.val_plan = make_plan(validation, micro_batches=1) if validation is not None else None
         self.backend = make_backend(backend, address) if isinstance(backend, str) else backend
         self.timeline = Timeline()
         self.fetch = tuple(fetch)
@@ -116,12 +124,9 @@ class Runtime:
         if self._started:
             return self
         g = self.graph
-        nodes = {
-            n: NodeEntry(node.op, node.params, node.role,
-                         inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
-                         outputs=dict(node.config.outputs))
-            for n, node in g.nodes.items()
-        }
+        nodes = _entries(g)
+        if self.val_graph is not None:
+            nodes.update(_entries(self.val_graph, prefix="val:"))
         pools = [
             PoolSpec(name, cfg.workers, cfg.cpus, cfg.gpus, self._role_builds(cfg.roles))
             for name, cfg in g.config.pools.items()
@@ -173,6 +178,8 @@ class Runtime:
         start_step: int = 0,
         on_step: Callable[[StepResult], None] | None = None,
         checkpoint: Callable[[int], bool] | None = None,
+        validate: Callable[[int], bool] | None = None,
+        val_batches: Iterator[DataProto] | None = None,
     ) -> Iterator[StepResult]:
         """Run ``steps`` steps, yielding each result in order as it finishes.
 
@@ -180,8 +187,10 @@ class Runtime:
         worker's state queued right behind that step's tasks (so later steps,
         already submitted, are not in it), the data position after that step's
         batch (when ``batches`` has a ``state_dict``) and the weights that
-        in-flight steps will still load. :meth:`request_stop` ends the run after
-        the steps already submitted.
+        in-flight steps will still load. ``validate(step)`` says after which
+        steps the validation graph runs on the next of ``val_batches`` (its
+        metrics come back as ``val/...``). :meth:`request_stop` ends the run
+        after the steps already submitted.
         """
         self.start()
         self._stop = False
@@ -198,6 +207,10 @@ class Runtime:
                     st = self._submit_step(t, next(source))
                     if checkpoint is not None and checkpoint(t):
                         st.snapshot = self._queue_snapshot(t, batches)
+                    if validate is not None and self.val_plan is not None and validate(t):
+                        assert val_batches is not None, "validate needs val_batches"
+                        st.validation = self._submit_step(t, next(val_batches), self.val_graph, self.val_plan,
+                                                          "val:")
                     in_flight.append(st)
                     t += 1
                 if not in_flight:
@@ -206,6 +219,8 @@ class Runtime:
                 if on_step is not None:
                     on_step(result)
                 yield result
+        except GeneratorExit:  # the caller stopped iterating (run_step): the runtime stays up
+            raise
         except BaseException:
             self.close()
             raise
@@ -250,15 +265,16 @@ class Runtime:
         """Run one step on ``batch`` (synchronously) and return its result."""
         return next(self.run([batch], steps=1, start_step=step))
 
-    def _submit_step(self, t: int, batch: DataProto) -> _Step:
+    def _submit_step(self, t: int, batch: DataProto, graph: Graph | None = None, plan: Plan | None = None,
+                     prefix: str = "") -> _Step:
+        g, plan = graph or self.graph, plan or self.plan
         src = self.backend.put(batch)
-        st = _Step(t, time.time(), src)
-        g = self.graph
+        st = _Step(t, time.time(), src, graph=g, plan=plan, prefix=prefix)
         edges_to: dict[str, list[StateEdge]] = {}
-        for e in g.state_edges:
+        for e in g.state_edges if not prefix else ():
             edges_to.setdefault(e.dst, []).append(e)
-        for key in self.plan.order:
-            task = self.plan.tasks[key]
+        for key in plan.order:
+            task = plan.tasks[key]
             node = g.nodes[task.node]
             inputs: list[Any] = []
             reads = []
@@ -274,20 +290,23 @@ class Runtime:
                 world = n_workers if node.op.dispatch == "split" else 1
             min_version = None
             sub = _Sub(key, task.pool, [], [])
+            read_srcs = {k for r in task.reads for k in r.srcs}
+            # after: and role-order edges carry no data; their tasks still must finish first
+            order_gates = [st.subs[d].infos[0][0] for d in sorted(task.deps - read_srcs, key=str)]
             for rank in ranks:
-                gates = []
+                gates = list(order_gates)
                 for e in edges_to.get(task.node, []):
                     j = t - 1 - e.staleness
                     min_version = max(0, t - e.staleness)
                     if j >= 0:
                         gates.append(self._gate(e, j, task.pool, rank, st))
-                call = Call(task.node, t, task.mb, tuple(reads), len(gates), rank, world, min_version)
+                call = Call(prefix + task.node, t, task.mb, tuple(reads), len(gates), rank, world, min_version)
                 data, info = self.backend.submit(task.pool, rank, call, gates + inputs)
                 sub.infos.append((info, rank))
                 if world > 1 or rank == 0:
                     sub.data.append(data)
             st.subs[key] = sub
-            if node.updates_role and (task.mb is None or task.mb == self.plan.micro_batches - 1):
+            if not prefix and node.updates_role and (task.mb is None or task.mb == plan.micro_batches - 1):
                 self._after_update(node.role, t, sub)
         return st
 
@@ -331,26 +350,30 @@ class Runtime:
                 try:
                     info = self.backend.get(h)
                 except BaseException as exc:  # noqa: BLE001 - every failure becomes a named one
-                    if self.on_progress is not None and key is not None:
+                    if self.on_progress is not None and key is not None and not st.prefix:
                         self.on_progress(st.step, {**self._states(st, ended), key[0]: "failed"})
                     raise self._failure(exc, st.step, key, pool, rank) from None
                 if key is not None:
                     ended[key] = max(ended.get(key, 0.0), info.end)
                     infos.append(info)
                 self.timeline.add(info)
-            if done and self.on_progress is not None:
+            if done and self.on_progress is not None and not st.prefix:
                 self.on_progress(st.step, self._states(st, ended))
             self._watchdog(st, pending, ended)
-        self._clear_before(st.step)
+        if not st.prefix:
+            self._clear_before(st.step)
         result = self._result(st, infos)
         if st.snapshot is not None:
             result.checkpoint = self._resolve_snapshot(st.snapshot)
+        if st.validation is not None:
+            val = self._finish(st.validation)
+            result.val_metrics = {f"val/{k}": v for k, v in val.metrics.items() if not k.startswith("scheduler/")}
         return result
 
     def _states(self, st: _Step, ended: dict) -> dict[str, str]:
         """Each node's state in step ``st``: done, running (inputs ready) or waiting."""
         states: dict[str, str] = {}
-        for key, task in self.plan.tasks.items():
+        for key, task in st.plan.tasks.items():
             if key in ended:
                 state = "done"
             elif all(d in ended for d in task.deps):
@@ -369,11 +392,11 @@ class Runtime:
         for key, pool, rank in pending.values():
             if key is None:
                 continue
-            node = self.graph.nodes[key[0]]
+            node = st.graph.nodes[key[0]]
             limit = node.timeout_s or default
             if limit is None:
                 continue
-            deps = self.plan.tasks[key].deps
+            deps = st.plan.tasks[key].deps
             if any(d not in ended for d in deps):
                 continue  # still waiting on its inputs; that node's own watchdog fires first
             ready = max((ended[d] for d in deps), default=st.submitted_at)
@@ -408,16 +431,17 @@ class Runtime:
             del self._syncs[k]
 
     def _result(self, st: _Step, infos: list[Info]) -> StepResult:
-        g = self.graph
+        g = st.graph
         metrics: dict[str, float] = {}
         sums: dict[str, tuple[float, float]] = {}
         durations: dict[tuple[str, int | None], float] = {}
         timing: dict[str, float] = {}
         for info in infos:
-            key = (info.node, info.mb)
+            node_name = info.node[len(st.prefix):]
+            key = (node_name, info.mb)
             d = info.end - info.start
             durations[key] = max(durations.get(key, 0.0), d)
-            all_ranks_same = g.nodes[info.node].op.dispatch == "all"
+            all_ranks_same = g.nodes[node_name].op.dispatch == "all"
             if all_ranks_same and info.rank != 0:
                 continue
             w = float(max(info.rows, 1))
@@ -432,16 +456,16 @@ class Runtime:
             metrics[f"timing/{node}"] = d
         start = min((i.start for i in infos), default=st.submitted_at)
         makespan = max((i.end for i in infos), default=start) - start
-        critical, (pool, work) = bounds_of(self.plan, durations)
+        critical, (pool, work) = bounds_of(st.plan, durations)
         bound = max(critical, work)
         metrics["timing/step"] = makespan
         metrics["scheduler/lower_bound"] = bound
         metrics["scheduler/critical_path"] = critical
         metrics["scheduler/efficiency"] = bound / makespan if makespan > 0 else 1.0
-        versions = [i.version for i in infos if i.version is not None and g.nodes[i.node].op.role]
-        if self.graph.state_edges and versions:
+        versions = [i.version for i in infos if i.version is not None and g.nodes[i.node[len(st.prefix):]].op.role]
+        if g.state_edges and versions:
             metrics["scheduler/min_weight_version"] = float(min(versions))
-        data = self._collect(st) if self.fetch else None
+        data = self._collect(st) if self.fetch and not st.prefix else None
         return StepResult(st.step, metrics, infos, makespan, bound, data)
 
     def _collect(self, st: _Step) -> DataProto:
@@ -452,15 +476,17 @@ class Runtime:
         target = max((spaces[producers[f][0]] for f in self.fetch), key=lambda sp: sp.factor)
         handles: list[Any] = []
         reads: list[ReadSpec] = []
+        by_node: dict[str, list[str]] = {}
         for f in self.fetch:
-            node = producers[f][0]
+            by_node.setdefault(producers[f][0], []).append(f)
+        for node, fields in by_node.items():
             if node == "data":
                 shards = [st.src]
             else:
                 subs = sorted((s for s in st.subs.values() if s.key[0] == node), key=lambda s: s.key[1] or 0)
                 shards = [h for s in subs for h in s.data]
             handles.extend(shards)
-            reads.append(ReadSpec(len(shards), (f,), None, target.factor // spaces[node].factor))
+            reads.append(ReadSpec(len(shards), tuple(fields), None, target.factor // spaces[node].factor))
         return assemble([self.backend.get(h) for h in handles], tuple(reads))
 
     def close(self) -> None:
@@ -473,3 +499,13 @@ class Runtime:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def _entries(graph: Graph, prefix: str = "") -> dict[str, NodeEntry]:
+    """What workers need to run each node of ``graph`` (keys prefixed for a validation graph)."""
+    return {
+        prefix + n: NodeEntry(node.op, node.params, node.role,
+                              inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
+                              outputs=dict(node.config.outputs))
+        for n, node in graph.nodes.items()
+    }

@@ -32,6 +32,11 @@ from flowrl.graph import REGISTRY, Graph
 from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore, differences, fingerprint
 from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.scheduler import Runtime, StepResult
+from flowrl.runtime.sinks import open_sinks
+from flowrl.runtime.validation import validation_graph
+
+#: fields written by ``trainer.dump_rollouts``, when the graph has them
+DUMPED = ("uid", "prompts", "responses", "response_mask", "token_level_scores", "advantages", "weight_version")
 
 
 class NonFiniteError(RuntimeFailure):
@@ -61,11 +66,19 @@ class Trainer:
         self.out = Path(out or cfg.trainer.out or f"runs/{cfg.name}")
         self.trace = Path(trace) if trace else None
         self.on_step = on_step
-        self.runtime = Runtime(graph, backend=backend, address=address, on_progress=on_progress)
+        self.val_graph = validation_graph(graph) if cfg.trainer.val_every else None
+        if cfg.trainer.val_every and self.val_graph is None:
+            raise ValueError("trainer.val_every needs a node producing token_level_scores (a reward) to validate")
+        producers = graph.producers()
+        fetch = [f for f in DUMPED if f in producers] if cfg.trainer.dump_rollouts else []
+        self.runtime = Runtime(graph, backend=backend, address=address, on_progress=on_progress,
+                               validation=self.val_graph, fetch=fetch)
         kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
         spec = REGISTRY.source(kind)
-        self.source = spec.factory(spec.config.model_validate(cfg.data.dump()), seed=cfg.trainer.seed,
-                                   roles=cfg.roles)
+        data_cfg = spec.config.model_validate(cfg.data.dump())
+        self.source = spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles)
+        self.val_source = (spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles, split="val")
+                           if self.val_graph is not None else None)
         self.history: list[dict[str, float]] = []
         self.resume, self.say = resume, say
         self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
@@ -77,26 +90,32 @@ class Trainer:
         start_step = self._resume() if self.resume else 0
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
-        every = cfg.trainer.checkpoint_every
+        every, val_every = cfg.trainer.checkpoint_every, cfg.trainer.val_every
         last = self.steps - 1
         start = time.time()
         restore_sigint = self._install_sigint()
         done = start_step - 1
         try:
-            with (self.out / "metrics.jsonl").open("a") as sink:
+            sinks = open_sinks(self.out, cfg.trainer.wandb_project, run_name=cfg.name, config=cfg.dump())
+            try:
                 results = self.runtime.run(
                     self.source, steps=self.steps - start_step, start_step=start_step,
-                    checkpoint=lambda t: bool(every) and ((t + 1) % every == 0 or t == last))
+                    checkpoint=lambda t: bool(every) and ((t + 1) % every == 0 or t == last),
+                    validate=lambda t: bool(val_every) and ((t + 1) % val_every == 0 or t == last),
+                    val_batches=self.val_source)
                 for result in results:
                     row = self._row(result, start)
-                    sink.write(json.dumps(row) + "\n")
-                    sink.flush()
+                    sinks.write(row["step"], row)
+                    if result.data is not None:
+                        self._dump(result)
                     self.history.append(row)
                     done = result.step
                     if result.checkpoint is not None:
                         self._save(result.step, result.checkpoint)
                     if self.on_step is not None:
                         self.on_step(result.step, row)
+            finally:
+                sinks.close()
             if self.stopped and done >= start_step:
                 self._save(done, self.runtime.snapshot_now(done, self.source))
                 self.say(f"stopped after step {done + 1}; checkpoint saved, continue with --resume")
@@ -133,6 +152,33 @@ class Trainer:
         self._truncate_metrics(step + 1)
         self.say(f"resuming from {path} at step {step + 2}")
         return step + 1
+
+    def _dump(self, result: StepResult) -> None:
+        """Write the step's samples as JSONL: prompt and response text, score, advantage."""
+        data = result.data
+        decode = getattr(self.source, "decode", None)
+        cols = set(data.batch.keys()) if data.batch is not None else set()
+        path = self.out / "rollouts" / f"step_{result.step + 1:06d}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("w") as f:
+            for i in range(len(data)):
+                row: dict[str, Any] = {}
+                if "uid" in data.non_tensor_batch:
+                    row["uid"] = str(data.non_tensor_batch["uid"][i])
+                for name in ("prompts", "responses"):
+                    if name in cols:
+                        ids = data.batch[name][i]
+                        if name == "responses" and "response_mask" in cols:
+                            ids = ids[data.batch["response_mask"][i].bool()]
+                        ids = ids.tolist()
+                        row[name[:-1]] = decode(ids) if decode else ids
+                if "token_level_scores" in cols:
+                    row["score"] = float(data.batch["token_level_scores"][i].sum())
+                if "advantages" in cols:
+                    row["advantage"] = float(data.batch["advantages"][i][0])
+                if "weight_version" in cols:
+                    row["weight_version"] = int(data.batch["weight_version"][i])
+                f.write(json.dumps(row) + "\n")
 
     def _truncate_metrics(self, keep_through: int) -> None:
         """Drop metric rows written after the checkpoint: those steps run again, identically."""
@@ -173,7 +219,8 @@ class Trainer:
                 + (f"The last good checkpoint is {kept[0]}." if kept else "No checkpoint was written yet.")
             )
         now = time.time()
-        row = {"step": result.step + 1, **result.metrics, "timing/elapsed": now - start}
+        row = {"step": result.step + 1, **result.metrics, **(result.val_metrics or {}),
+               "timing/elapsed": now - start}
         # throughput over wall time between finished steps (it includes any overlap across steps)
         wall = now - self._last_end if self._last_end is not None else result.makespan
         self._last_end = now

@@ -104,10 +104,10 @@ def assemble(inputs: list[DataProto], reads: tuple[ReadSpec, ...]) -> DataProto:
     parts: list[DataProto] = []
     i = 0
     for r in reads:
-        shards = inputs[i : i + r.n]
+        # take the columns first: concatenating shards copies only what is read
+        shards = [dp.select(*_split_keys(dp, r.fields)) for dp in inputs[i : i + r.n]]
         i += r.n
         dp = shards[0] if len(shards) == 1 else DataProto.concat(shards)
-        dp = dp.select(*_split_keys(dp, r.fields))
         if r.rows is not None:
             dp = dp[r.rows[0] : r.rows[1]]
         if r.repeat > 1:
@@ -125,6 +125,22 @@ def _split_keys(dp: DataProto, fields: tuple[str, ...]) -> tuple[list[str], list
     non_tensor = [f for f in fields if f in dp.non_tensor_batch]
     meta = [f for f in fields if f in dp.meta_info]
     return batch_keys, non_tensor, meta
+
+
+class NonFiniteOutput(ValueError):
+    """An operator produced NaN or infinity."""
+
+
+def non_finite(out: DataProto, metrics: dict[str, float]) -> list[str]:
+    """Names of metrics and float columns holding NaN or infinity."""
+    import math
+
+    import torch
+
+    bad = [f"{k}={v}" for k, v in metrics.items() if not math.isfinite(v)]
+    if out.batch is not None:
+        bad += [k for k, t in out.batch.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return bad
 
 
 def rank_rows(n: int, rank: int, world: int) -> tuple[int, int, int]:
@@ -201,19 +217,22 @@ class Worker:
                 # row 0) is cut from the outputs, so it never reaches a consumer
                 lo, hi, per = rank_rows(len(batch), call.rank, call.world)
                 shard, real, pad = batch[lo:hi], hi - lo, per - (hi - lo)
-                batch = DataProto.concat([p for p in [shard] + [batch[0:1]] * pad if len(p)])
+                batch = shard if not pad else DataProto.concat([p for p in [shard] + [batch[0:1]] * pad if len(p)])
             if entry.inputs:
                 batch.rename(list(entry.inputs), list(entry.inputs.values()))
             out, metrics = entry.op.run(role_obj, batch, entry.params)
             if entry.outputs:
                 out.rename(list(entry.outputs), list(entry.outputs.values()))
+            bad = non_finite(out, metrics)
+            if bad:  # stop here, before any consumer (an update) uses it
+                raise NonFiniteOutput(f"non-finite values in {', '.join(bad)}")
             if pad and len(out):
                 out = out[: real * len(out) // len(batch)]
             if entry.op.updates_role:
                 owner = self.owner[entry.role]
                 self.versions[owner] += 1
                 self._set_version(owner)
-        except StalenessError as e:
+        except (StalenessError, NonFiniteOutput) as e:
             raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
         except Exception as e:
             raise NodeError(call.node, call.step, call.mb, self.label, f"{type(e).__name__}: {e}",
