@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from enum import Enum
 from typing import Any, Optional
 
@@ -130,6 +131,8 @@ def viz(
 def plan(
     graph: str = typer.Argument(..., help="graph: file.yaml, file.py, module:graph, or a built-in name"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
+    measured: Optional[str] = typer.Option(None, "--measured",
+                                           help="a run directory: predict with its measured node times"),
 ) -> None:
     """Show placement, per-pool order, micro-batching, staleness and a predicted timeline."""
     from flowrl.runtime.plan import PlanError, make_plan
@@ -141,7 +144,27 @@ def plan(
     except PlanError as e:
         err_console.print(f"[bold red]error[/] {_escape(str(e))}")
         raise typer.Exit(1) from None
-    print_plan(p, console=console)
+    costs = None
+    if measured is not None:
+        costs = measured_costs(measured, list(g.nodes))
+    print_plan(p, console=console, costs=costs)
+
+
+def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
+    """Median ``timing/<node>`` per node over a run's metrics.jsonl."""
+    import statistics
+
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        err_console.print(f"[bold red]error[/] --measured: no metrics at {_escape(str(path))}")
+        raise typer.Exit(1)
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    costs = {n: statistics.median(r[f"timing/{n}"] for r in rows if f"timing/{n}" in r)
+             for n in nodes if any(f"timing/{n}" in r for r in rows)}
+    missing = [n for n in nodes if n not in costs]
+    if missing:
+        err_console.print(f"[yellow]warning[/] no measured time for {', '.join(missing)}; using declared costs")
+    return costs
 
 
 @app.command()

@@ -92,3 +92,41 @@ def test_run_with_a_bad_graph_exits_1_and_writes_nothing(tmp_path):
     assert res.exit_code == 1
     assert "no model directory '/nonexistent/model'" in res.output
     assert not (tmp_path / "run").exists()
+
+
+def test_dataset_missing_a_required_column_exits_1_naming_file_and_column(tmp_path):
+    data = tmp_path / "train.jsonl"
+    rows = [{"prompt": [{"role": "user", "content": "copy 1 2 ="}], "data_source": "builtin:copy"}] * 4
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    res = invoke("run", "grpo", "--steps", "1", "--backend", "local", "--out", str(tmp_path / "run"),
+                 "--set", f"data.source={data}", "--set", "data.batch_size=2")
+    assert res.exit_code == 1
+    assert "train.jsonl" in res.output and "reward_model" in res.output
+    assert "Traceback" not in res.output
+
+
+def test_set_with_a_disallowed_value_lists_the_allowed_ones():
+    res = invoke("validate", "grpo", "--set", "data.truncation=middle")
+    assert res.exit_code == 1
+    assert "truncation" in res.output and "'error', 'left' or 'right'" in res.output
+
+
+def test_wandb_asked_for_but_not_installed_is_a_clear_error(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        import pytest
+
+        pytest.skip("wandb is installed here")
+    res = invoke("run", "grpo", "--steps", "1", "--backend", "local", "--out", str(tmp_path),
+                 "--set", "trainer.wandb_project=demo", "--set", "data.batch_size=2")
+    assert res.exit_code == 1 and "wandb is not installed" in res.output
+
+
+def test_plan_with_measured_costs(tmp_path):
+    invoke("run", "grpo", "--steps", "2", "--backend", "local", "--out", str(tmp_path),
+           "--set", "data.batch_size=4", "--set", "nodes.generate.n=2")
+    res = invoke("plan", "grpo", "--measured", str(tmp_path))
+    assert res.exit_code == 0 and "predicted timeline (measured seconds)" in res.output
+    res = invoke("plan", "grpo", "--measured", str(tmp_path / "nothing"))
+    assert res.exit_code == 1 and "no metrics at" in res.output

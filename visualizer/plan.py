@@ -70,6 +70,7 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
     parts.append(stale)
 
     sim = plan.simulate(costs)
+    sim.measured = costs is not None
     parts.append(render_gantt(plan, sim, colors, width=width))
     return Group(*parts)
 
@@ -79,7 +80,8 @@ def render_gantt(plan: Plan, sim: Simulation, colors: dict[str, str], width: int
     label_w = max(len(p) for p in list(plan.pool_order) + ["driver"]) + 2
     bar_w = max(20, width - label_w - 2)
     scale = bar_w / sim.makespan if sim.makespan > 0 else 1.0
-    out = Text(f"predicted timeline (declared costs): makespan {sim.makespan:.2f}, lower bound "
+    basis = "declared costs" if not getattr(sim, "measured", False) else "measured seconds"
+    out = Text(f"predicted timeline ({basis}): makespan {sim.makespan:.2f}, lower bound "
                f"{sim.lower_bound:.2f}, efficiency {sim.efficiency:.2f}\n", style="bold")
     for pool, keys in plan.pool_order.items():
         lane = [" "] * bar_w

@@ -258,11 +258,12 @@ class Simulation:
     end: dict[tuple[str, int | None], float]
     makespan: float
     critical_path: float
-    busiest_pool: tuple[str, float]
+    pool_bound: tuple[str, float]
+    measured: bool = False  # costs were measured seconds rather than declared relative costs
 
     @property
     def lower_bound(self) -> float:
-        return max(self.critical_path, self.busiest_pool[1])
+        return max(self.critical_path, self.pool_bound[1])
 
     @property
     def efficiency(self) -> float:
