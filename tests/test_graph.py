@@ -338,3 +338,15 @@ def test_overrides_apply_before_validation(tmp_path):
     assert ppo_dict()["trainer"]["steps"] == 3
     data = copy.deepcopy(ppo_dict())
     assert data == ppo_dict()
+
+
+def test_eager_call_leaves_the_callers_batch_unchanged():
+    from flowrl.data import DataProto
+    from tests.userpkg.length_penalty import length_penalty
+
+    import torch
+
+    batch = DataProto.from_dict(tensors={"token_level_scores": torch.zeros(2, 2),
+                                         "response_mask": torch.ones(2, 2, dtype=torch.int64)})
+    out = length_penalty(batch, coef=1.0)
+    assert "token_level_rewards" in out and "token_level_rewards" not in batch

@@ -129,3 +129,48 @@ def test_missing_model_directory_and_dataset_fail_the_check(tmp_path):
     with pytest.raises(GraphError):
         Trainer(g, backend="local", steps=1, out=tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def _sequences(n: int = 2):
+    from flowrl.runtime.worker import RoleContext  # noqa: F401  (roles take a context)
+
+    ids = torch.tensor([[1, 20, 7, 11, 16, 7, 11, 2]] * n)
+    mask = torch.ones_like(ids)
+    response_mask = torch.tensor([[1, 1, 1]] * n)
+    response_mask[-1, -1] = 0  # the last row's response is one token shorter
+    return DataProto.from_dict(tensors={"input_ids": ids, "attention_mask": mask,
+                                        "position_ids": mask.cumsum(-1) - 1, "response_mask": response_mask})
+
+
+def test_reward_model_operator_scores_on_the_last_response_token():
+    from flowrl.runtime.worker import RoleContext
+    from operators import reward
+    from operators.roles import RewardModel, RewardModelConfig
+
+    rm = RewardModel(RewardModelConfig(model="builtin:tiny"), RoleContext("reward_model", 0, 1, seed=0))
+    out = reward.model(rm, _sequences())
+    scores = out.batch["token_level_scores"]
+    direct = rm.scorer.score(out.batch["input_ids"], out.batch["attention_mask"], out.batch["position_ids"])
+    assert scores.shape == (2, 3)
+    assert torch.allclose(scores[0], torch.tensor([0.0, 0.0, float(direct[0])]))
+    assert torch.allclose(scores[1], torch.tensor([0.0, float(direct[1]), 0.0]))
+
+
+def test_adaptive_kl_reward_moves_beta_toward_the_target():
+    from flowrl.runtime.worker import RoleContext
+    from operators import kl
+    from operators.roles import Actor, ActorConfig
+
+    actor = Actor(ActorConfig(), RoleContext("actor", 0, 1, seed=0))
+    mask = torch.ones(4, 2, dtype=torch.int64)
+    batch = DataProto.from_dict(tensors={
+        "token_level_scores": torch.zeros(4, 2), "response_mask": mask,
+        "old_log_probs": torch.zeros(4, 2), "ref_log_prob": torch.full((4, 2), -1.0),  # k1 KL = 1 per token
+    })
+    first = kl.adaptive_reward(actor, batch, init_kl_coef=0.1, target_kl=0.5, horizon=100)
+    assert first.meta_info["metrics"]["actor/kl_coef"] == pytest.approx(0.1)
+    assert torch.allclose(first.batch["token_level_rewards"], torch.full((4, 2), -0.1))
+    second = kl.adaptive_reward(actor, batch, init_kl_coef=0.1, target_kl=0.5, horizon=100)
+    # KL 1.0 > target 0.5: error clipped to +0.2, β ← 0.1 · (1 + 0.2 · 4/100)
+    assert second.meta_info["metrics"]["actor/kl_coef"] == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))
+    assert "kl_ctrl" in actor.state_dict()["extra_state"]

@@ -183,9 +183,10 @@ def run_eager(spec: Any, *args: Any, **params: Any) -> Any:
     p = spec.params.model_validate(params)
     outputs, metrics = spec.run(role, batch, p)
     factor = spec.expansion(p)
-    if factor > 1:  # n samples per prompt: the prompt's columns repeat to match, as in a graph
-        batch = batch.repeat(factor, interleave=True)
-    result = batch.union(outputs) if len(outputs) else batch
+    # a new container (sharing tensors): verl's union works in place, the caller's batch must not change
+    result = batch.repeat(factor, interleave=True) if factor > 1 else batch.select()
+    if len(outputs):
+        result = result.union(outputs)
     if metrics:
         result.meta_info.setdefault("metrics", {}).update(metrics)
     return result
