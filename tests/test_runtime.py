@@ -88,6 +88,11 @@ def test_staleness_one_overlaps_rollout_with_training_within_the_bound(backend, 
         # generation of step t+1 ran while step t trained
         assert any(overlap(tl.span("generate", t + 1), tl.span("update_actor", t)) > 0 for t in range(3))
         assert len(results[0].data) == 8  # n=2 samples of 4 prompts
+        # overlapped steps: measured between finished steps, against the busiest pool's work
+        assert "scheduler/pipeline_efficiency" not in results[0].metrics
+        for r in results[1:]:
+            assert 0 < r.metrics["scheduler/pipeline_efficiency"] <= 1.0
+            assert r.metrics["timing/interval"] > 0
 
 
 def test_staleness_zero_never_runs_ahead(backend, tmp_path):

@@ -33,7 +33,7 @@ from visualizer.dag import pool_colors, render_dag
 SHOWN = (
     "reward/mean", "response_length/mean", "actor/pg_loss", "actor/approx_kl", "actor/entropy",
     "actor/reward_kl_penalty", "critic/vf_loss", "val/reward/mean", "throughput/tokens_per_s", "timing/step",
-    "scheduler/efficiency",
+    "scheduler/efficiency", "scheduler/pipeline_efficiency",
 )
 SPARKS = "▁▂▃▄▅▆▇█"
 

@@ -322,3 +322,13 @@ def bounds_of(plan: Plan, durations: dict[tuple[str, int | None], float]) -> tup
     }
     tightest = max(pools.items(), key=lambda kv: kv[1], default=("", 0.0))
     return critical, tightest
+
+
+def pool_work(plan: Plan, durations: dict[tuple[str, int | None], float]) -> dict[str, float]:
+    """Seconds of work each pool did (driver tasks excluded)."""
+    work: dict[str, float] = {}
+    for key, d in durations.items():
+        pool = plan.tasks[key].pool
+        if pool != DRIVER:
+            work[pool] = work.get(pool, 0.0) + d
+    return work

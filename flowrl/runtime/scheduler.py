@@ -39,7 +39,7 @@ from flowrl.data import DataProto
 from flowrl.graph import Graph, StateEdge
 from flowrl.runtime.backends import DRIVER, Backend, PoolSpec, describe_death, make_backend
 from flowrl.runtime.errors import NodeError, NodeTimeoutError, RuntimeFailure, WorkerDiedError
-from flowrl.runtime.plan import Plan, bounds_of, make_plan
+from flowrl.runtime.plan import Plan, bounds_of, make_plan, pool_work
 from flowrl.runtime.timeline import Timeline
 from flowrl.runtime.worker import Call, Info, NodeEntry, ReadSpec, RoleBuild, assemble
 
@@ -116,6 +116,7 @@ class Runtime:
         self._syncs: dict[tuple[str, int, int], Any] = {}  # (role, step, rank) → set_weights handle
         self._updates: dict[tuple[str, int], list[Any]] = {}  # (role, step) → update info handles
         self._restored_step = -1
+        self._last_step_end: float | None = None
         self._stop = False
         self._started = False
 
@@ -462,6 +463,17 @@ class Runtime:
         metrics["scheduler/lower_bound"] = bound
         metrics["scheduler/critical_path"] = critical
         metrics["scheduler/efficiency"] = bound / makespan if makespan > 0 else 1.0
+        if not st.prefix:
+            # steps overlap when staleness >= 1: a step's own makespan then includes waiting
+            # behind the previous one; what counts is the interval between finished steps
+            # against the busiest pool's work per step
+            end = max((i.end for i in infos), default=start)
+            if self._last_step_end is not None and end > self._last_step_end:
+                interval = end - self._last_step_end
+                work = max(pool_work(st.plan, durations).values(), default=0.0)
+                metrics["timing/interval"] = interval
+                metrics["scheduler/pipeline_efficiency"] = min(1.0, work / interval)
+            self._last_step_end = end
         versions = [i.version for i in infos if i.version is not None and g.nodes[i.node[len(st.prefix):]].op.role]
         if g.state_edges and versions:
             metrics["scheduler/min_weight_version"] = float(min(versions))
@@ -509,3 +521,4 @@ def _entries(graph: Graph, prefix: str = "") -> dict[str, NodeEntry]:
                               outputs=dict(node.config.outputs))
         for n, node in graph.nodes.items()
     }
+
