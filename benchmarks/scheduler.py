@@ -30,7 +30,7 @@ step of each is a warm-up.
 
 Printed per variant (medians over the measured steps): the step's makespan
 (first task start → last task end, on the workers' clocks), the runtime's lower
-bound max(critical path, busiest pool's work) from the measured task
+bound max(critical path, tightest pool bound) from the measured task
 durations, efficiency = bound / makespan, the same against a tighter bound
 (:func:`tight_bound`), the plan's predicted makespan from the declared work,
 the driver's wall time per step, and the speed-ups over the baseline.
@@ -329,7 +329,7 @@ def report(shape: Shape, variants: list[Variant], scale: float) -> list[dict[str
 
 COLUMNS = [  # (header, key, format)
     ("graph", "graph", "{}"), ("schedule", "schedule", "{}"), ("makespan s", "makespan", "{:.3f}"),
-    ("crit.path s", "critical", "{:.3f}"), ("busiest pool s", "busiest", "{:.3f}"), ("bound s", "bound", "{:.3f}"),
+    ("crit.path s", "critical", "{:.3f}"), ("pool bound s", "busiest", "{:.3f}"), ("bound s", "bound", "{:.3f}"),
     ("efficiency", "efficiency", "{:.3f}"), ("eff. (tight)", "tight", "{:.3f}"), ("predicted s", "predicted", "{:.3f}"),
     ("wall s/step", "wall", "{:.3f}"), ("speed-up", "speedup", "{:.2f}x"), ("wall speed-up", "wall_speedup", "{:.2f}x"),
 ]
@@ -367,7 +367,7 @@ def main() -> None:
     rows = [[fmt.format(m[key]) if m.get(key) is not None else "-" for _, key, fmt in COLUMNS] for m in results]
     print_table("scheduler: makespan vs lower bound, and vs stage-by-stage (medians)", [c[0] for c in COLUMNS], rows,
                 notes=[
-                    "bound = max(critical path, busiest pool's work), from measured task durations (the runtime's);",
+                    "bound = max(critical path, pool bound: a pool's earliest start + its work + least work after), measured;",
                     "eff. (tight) = a tighter valid bound / makespan: per pool, earliest start + work + least work after;",
                     "predicted = the plan's simulate() with the declared work; speed-up = baseline makespan / makespan;",
                     "what-if rows inject another per-pool order into the plan; staleness=1: time per step in steady state.",
