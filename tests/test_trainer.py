@@ -110,3 +110,16 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path):
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     saved = sorted((tmp_path / "checkpoints").iterdir())
     assert saved[-1].name == f"step_{len(rows) - 1:08d}"  # the last finished step
+
+
+def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is not installed (pip install -e '.[tensorboard]')")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    g = load_graph("grpo", overrides=TINY)
+    rows = Trainer(g, backend="local", steps=2, out=tmp_path, say=lambda m: None).run()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    events = acc.Scalars("reward/mean")
+    assert [e.step for e in events] == [1, 2]
+    assert [e.value for e in events] == pytest.approx([r["reward/mean"] for r in rows])
