@@ -156,6 +156,15 @@ def test_timed_out_node_is_reported_not_hung(backend, tmp_path):
     rt.close()
 
 
+def test_a_task_queued_behind_slow_work_is_not_timed_out(tmp_path):
+    # values[1] waits ~0.8 s behind values[0] on the critic pool: queued, not running past 0.5 s
+    g = graph_from("ppo.yaml", tmp_path, nodes__values={"op": "test.values", "role": "critic", "sleep_s": 0.4,
+                                                       "timeout_s": 0.5})
+    with Runtime(g, backend="local", resources=BIG) as rt:
+        r = rt.run_step(next(batches(4)))
+    assert r.metrics["timing/values"] >= 0.8
+
+
 def test_killed_worker_fails_the_step_at_once(ray_session, tmp_path):
     g = _fault_graph(tmp_path, "die")
     rt = Runtime(g, backend="ray", resources=BIG)

@@ -117,6 +117,7 @@ class Runtime:
         self._updates: dict[tuple[str, int], list[Any]] = {}  # (role, step) → update info handles
         self._restored_step = -1
         self._last_step_end: float | None = None
+        self._worker_free: dict[tuple[str, int], float] = {}  # when each worker last finished a task
         self._stop = False
         self._started = False
 
@@ -357,6 +358,7 @@ class Runtime:
                 if key is not None:
                     ended[key] = max(ended.get(key, 0.0), info.end)
                     infos.append(info)
+                self._worker_free[(pool, rank)] = max(self._worker_free.get((pool, rank), 0.0), info.end)
                 self.timeline.add(info)
             if done and self.on_progress is not None and not st.prefix:
                 self.on_progress(st.step, self._states(st, ended))
@@ -388,26 +390,34 @@ class Runtime:
         return states
 
     def _watchdog(self, st: _Step, pending: dict, ended: dict) -> None:
+        """Fail a task that has *run* past its timeout: timed from when its inputs were done
+        and its worker was free for it (not from when it was queued)."""
         now = time.time()
         default = self.graph.config.schedule.timeout_s
+        busy = {(pool, rank) for k, pool, rank in pending.values() if k is None}  # syncs, snapshots
         for key, pool, rank in pending.values():
             if key is None:
                 continue
-            node = st.graph.nodes[key[0]]
-            limit = node.timeout_s or default
+            limit = st.graph.nodes[key[0]].timeout_s or default
             if limit is None:
                 continue
             deps = st.plan.tasks[key].deps
             if any(d not in ended for d in deps):
                 continue  # still waiting on its inputs; that node's own watchdog fires first
-            ready = max((ended[d] for d in deps), default=st.submitted_at)
+            ready = max([ended[d] for d in deps] + [st.submitted_at])
+            if pool != DRIVER:
+                queue = st.plan.pool_order[pool]
+                before = queue[: queue.index(key)]
+                if (pool, rank) in busy or any(k not in ended for k in before):
+                    continue  # queued behind other work on its worker
+                ready = max([ready, self._worker_free.get((pool, rank), 0.0)] + [ended[k] for k in before])
             if now - ready > limit:
                 waited = [f"{d[0]}" + (f"[{d[1]}]" if d[1] is not None else "") for d in deps]
                 raise NodeTimeoutError(
                     f"node {key[0]!r} (step {st.step}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
                     + f") has run {now - ready:.1f}s on {self.backend.worker_label(pool, rank)}, past its "
-                    f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were all ready, so "
-                    f"it is the operator itself that is slow or stuck"
+                    f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were ready and its "
+                    f"worker free, so it is the operator itself that is slow or stuck"
                 )
 
     def _failure(self, exc: BaseException, step: int, key, pool: str, rank: int) -> RuntimeFailure:
