@@ -226,3 +226,31 @@ def test_run_step_can_be_called_repeatedly():
         second = rt.run_step(next(source), step=1)
     assert first.data.batch["policy_version"].tolist() == [0] * 4
     assert second.data.batch["policy_version"].tolist() == [1] * 4
+
+
+def test_declared_order_runs_each_pool_as_written(tmp_path):
+    g = graph_from("ppo.yaml", tmp_path, schedule__order="declared")
+    train = make_plan(g).pool_order["train"]
+    assert train == [("generate", 0), ("generate", 1), ("old_logprob", 0), ("old_logprob", 1),
+                     ("ref_logprob", 0), ("ref_logprob", 1), ("update_actor", None)]
+
+
+def test_light_nodes_between_one_pool_run_in_its_process(tmp_path):
+    from flowrl.runtime.plan import place_light_nodes
+
+    # grpo-shaped: generate (train) -> reward -> advantage -> update (train): no trip to the driver
+    data = yaml.safe_load((HERE / "data" / "async.yaml").read_text())
+    data["roles"] = {"actor": data["roles"]["actor"]}
+    data["pools"] = {"train": {"workers": 1, "cpus": 1, "roles": ["actor"]}}
+    data["nodes"]["generate"]["role"] = "actor"
+    data["schedule"]["staleness"] = 0
+    path = tmp_path / "sync.yaml"
+    path.write_text(yaml.safe_dump(data))
+    g = load_graph(path)
+    assert place_light_nodes(g) == {"reward": "train", "kl_reward": "train", "advantage": "train"}
+    with Runtime(g, backend="local", resources=BIG, fetch=["advantages"]) as rt:
+        r = rt.run_step(next(batches(4)))
+    assert {i.pool for i in r.infos if i.node in ("reward", "advantage")} == {"train"}
+    assert len(r.data) == 8
+    # pools are joined (ppo: train and critic feed the advantage): they stay on the driver
+    assert place_light_nodes(load_graph(HERE / "data" / "ppo.yaml")) == {}

@@ -92,8 +92,11 @@ class ScheduleConfig(_Strict):
 
     micro_batches: int = Field(1, ge=1)
     staleness: int | dict[str, int] = 0
-    order: Literal["critical_path", "declared"] = "critical_path"
+    order: Literal["critical_path", "declared"] = Field(
+        "critical_path", description="per-pool order: list-scheduled critical path first, or as written")
     timeout_s: float | None = Field(None, gt=0)
+    colocate_light_nodes: bool = Field(
+        True, description="run stateless nodes whose neighbours all share one pool in that pool's process")
 
     @field_validator("staleness")
     @classmethod

@@ -127,10 +127,11 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
     bounds = [round(i * prompts / k) for i in range(k + 1)]
     spaces = _row_spaces(graph)
     producers = {f: ps[0] for f, ps in graph.producers().items()}
+    placement = place_light_nodes(graph) if graph.config.schedule.colocate_light_nodes else {}
     tasks: dict[tuple[str, int | None], Task] = {}
     for name in graph.topological_order():
         node = graph.nodes[name]
-        pool = graph.pool_of(name) or DRIVER
+        pool = placement.get(name) or graph.pool_of(name) or DRIVER
         streams = node.scope in ("row", "group") and k > 1
         mbs: list[int | None] = list(range(k)) if streams else [None]
         for mb in mbs:
@@ -149,11 +150,35 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
                 task.deps.update(t.key for t in tasks.values() if t.node == pred)
             tasks[task.key] = task
     _upward_ranks(tasks)
-    order = _priority_order(tasks)
+    if graph.config.schedule.order == "declared":
+        order = _declared_order(tasks, list(graph.nodes))
+    else:
+        order = _priority_order(tasks)
     pool_order: dict[str, list[tuple[str, int | None]]] = {}
     for key in order:
         pool_order.setdefault(tasks[key].pool, []).append(key)
     return Plan(graph, k, bounds, spaces, tasks, pool_order, order)
+
+
+def place_light_nodes(graph: Graph) -> dict[str, str]:
+    """Stateless nodes that would only bounce data off the driver, moved next to it.
+
+    A connected group of driver nodes whose producers and consumers all run on
+    one pool runs in that pool's process (rank 0, the whole batch): the batch
+    stays where it is instead of crossing to the driver and back (two trips
+    through the object store per node). Groups that join pools stay on the
+    driver, where they overlap with both.
+    """
+    driver = [n for n in graph.nodes if graph.pool_of(n) is None]
+    islands = nx.weakly_connected_components(graph.dag.subgraph(driver))
+    out: dict[str, str] = {}
+    for island in islands:
+        edges = [(u, v) for u, v in graph.dag.edges if (u in island) != (v in island)]
+        outside = {u if v in island else v for u, v in edges} - {SOURCE}
+        pools = {graph.pool_of(n) for n in outside}
+        if len(pools) == 1 and None not in pools:
+            out.update({n: next(iter(pools)) for n in island})
+    return out
 
 
 def _row_spaces(graph: Graph) -> dict[str, Space]:
@@ -218,6 +243,16 @@ def _upward_ranks(tasks: dict[tuple[str, int | None], Task]) -> None:
     for key in reversed(list(nx.topological_sort(g))):
         succ = [tasks[s].rank for s in g.successors(key)]
         tasks[key].rank = tasks[key].cost + (max(succ) if succ else 0.0)
+
+
+def _declared_order(tasks: dict[tuple[str, int | None], Task], nodes: list[str]) -> list[tuple[str, int | None]]:
+    """Nodes in the order they are written, micro-batches in order (a hand-written loop's order)."""
+    g = nx.DiGraph()
+    for key, t in tasks.items():
+        g.add_node(key)
+        g.add_edges_from((d, key) for d in t.deps)
+    rank = {n: i for i, n in enumerate(nodes)}
+    return list(nx.lexicographical_topological_sort(g, key=lambda k: (rank[k[0]], k[1] or 0)))
 
 
 def _priority_order(tasks: dict[tuple[str, int | None], Task]) -> list[tuple[str, int | None]]:

@@ -284,8 +284,8 @@ class Runtime:
                 shards = [h for k in r.srcs for h in ([src] if k[0] == "data" else st.subs[k].data)]
                 inputs.extend(shards)
                 reads.append(ReadSpec(len(shards), r.fields, r.rows, r.repeat))
-            if task.pool == DRIVER:
-                ranks, world = [0], 1
+            if task.pool == DRIVER or node.op.dispatch == "driver":
+                ranks, world = [0], 1  # a light node moved onto a pool runs once, on its rank 0
             else:
                 n_workers = g.config.pools[task.pool].workers
                 ranks = list(range(n_workers))
