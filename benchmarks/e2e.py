@@ -6,8 +6,9 @@ AdamW lr 5e-4, grad clip 1.0, clip ε 0.2, no KL, one optimizer step per batch,
 one torch thread per process. Systems:
 
 * **flowrl sync (ray)** — ``graphs/grpo.yaml`` (the baseline of the ratios): the
-  rollout colocated with the actor on one 1-CPU pool, reward and advantage on
-  the driver actor; every stage waits for the one before it (staleness 0);
+  rollout colocated with the actor on one 1-CPU pool, reward and advantage in
+  that pool's process too (they read and feed only it); every stage waits for
+  the one before it (staleness 0);
 * **flowrl sync (local)** — the same graph on the in-process backend;
 * **flowrl async (ray)** — ``graphs/grpo_async.yaml``: generation on its own
   1-CPU pool one weight version behind, so step t+1's rollout overlaps step
