@@ -350,3 +350,12 @@ def test_eager_call_leaves_the_callers_batch_unchanged():
                                          "response_mask": torch.ones(2, 2, dtype=torch.int64)})
     out = length_penalty(batch, coef=1.0)
     assert "token_level_rewards" in out and "token_level_rewards" not in batch
+
+
+def test_a_role_without_a_kind_is_an_error(tmp_path):
+    data = ppo_dict()
+    data["roles"]["policy"] = {"width": 4}
+    data["pools"]["train"]["roles"].append("policy")
+    errs = problems_of(tmp_path, data, RoleError)
+    assert any("role 'policy' has no kind" in str(e) and "add kind: <one of" in str(e) and "test_actor" in str(e)
+               for e in errs)

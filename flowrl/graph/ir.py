@@ -204,13 +204,20 @@ class Graph:
         roles = self.config.roles
         for name in roles:
             self.role_kinds[name] = self._role_kind(name, roles, set())
+        known = sorted(REGISTRY.roles) or ["(none registered)"]
         for name, role in roles.items():
             kind = self.role_kinds[name]
+            if kind is None and role.from_ is None:
+                self.problems.append(BuildProblem(
+                    "role_kind", f"role {name!r} has no kind: its name is not a role kind and it sets no 'kind:'",
+                    path=("roles", name), fix=f"add kind: <one of {', '.join(known)}>, or name the role after one",
+                ))
+                continue
             if kind is None or kind not in REGISTRY.roles:
                 if kind is not None:
                     self.problems.append(BuildProblem(
                         "role_kind", f"role {name!r}: unknown kind {kind!r}", path=("roles", name),
-                        fix=f"set 'kind:' to one of {sorted(REGISTRY.roles) or ['(none registered)']}",
+                        fix=f"set 'kind:' to one of {', '.join(known)}",
                     ))
                 continue
             if role.from_ is not None:
