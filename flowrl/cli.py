@@ -95,6 +95,14 @@ def validate(
     g = _load(graph, parse_overrides(set_))
     report = g.check()
     _print_problems(report.errors, report.warnings)
+    if report.ok:
+        from flowrl.runtime.plan import PlanError, make_plan
+
+        try:  # what only placement can tell: row spaces that do not match, more micro-batches than prompts
+            make_plan(g)
+        except PlanError as e:
+            err_console.print(f"[bold red]error[/] [red]\\[plan][/] {_escape(str(e))}")
+            raise typer.Exit(1) from None
     if not report.ok:
         n = len(report.errors)
         err_console.print(f"[bold red]{g.name}: {n} error{'s' if n != 1 else ''}[/]")
@@ -170,7 +178,7 @@ def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
 @app.command()
 def run(
     graph: str = typer.Argument("grpo", help="graph: file.yaml, file.py, module:graph, or a built-in name"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="steps to run (default: trainer.steps)"),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps to run (default: trainer.steps)"),
     out: Optional[str] = typer.Option(None, "--out", help="run directory (default: trainer.out)"),
     backend: BackendName = typer.Option(BackendName.ray, "--backend", help="ray (default) or local"),
     address: Optional[str] = typer.Option(None, "--address", help="a Ray cluster to join"),

@@ -29,7 +29,7 @@ class GAE(Params):
     whiten: bool = Field(True, description="normalise advantages over the batch")
 
 
-@operator("advantage.gae", scope="batch", node_name="advantage", params=GAE, outputs=OUT,
+@operator("advantage.gae", scope="batch", node_name="advantage", params=GAE, outputs=OUT, aux_outputs=("returns",),
           inputs={**REWARDS, "values": "float32[B, R]"})
 def gae(batch, p: GAE):
     """δ_t = r_t + γV_{t+1} − V_t;  A_t = Σ_l (γλ)^l δ_{t+l};  returns = A + V."""
@@ -43,7 +43,7 @@ class GRPO(Params):
     epsilon: float = Field(1e-6, gt=0)
 
 
-@operator("advantage.grpo", scope="group", node_name="advantage", params=GRPO, outputs=OUT,
+@operator("advantage.grpo", scope="group", node_name="advantage", params=GRPO, outputs=OUT, aux_outputs=("returns",),
           inputs={**REWARDS, "uid": "object[B]"})
 def grpo(batch, p: GRPO):
     """A_i = (r_i − mean(r_group)) / (std(r_group) + ε), broadcast over the response's tokens."""
@@ -52,7 +52,7 @@ def grpo(batch, p: GRPO):
     return {"advantages": adv, "returns": ret}, _metrics(adv, ret, batch["response_mask"])
 
 
-@operator("advantage.rloo", scope="group", node_name="advantage", outputs=OUT,
+@operator("advantage.rloo", scope="group", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
           inputs={**REWARDS, "uid": "object[B]"})
 def rloo(batch, p):
     """A_i = r_i − mean(r_j for the other samples j of the same prompt)."""
@@ -64,7 +64,7 @@ class ReinforcePP(Params):
     gamma: float = Field(1.0, ge=0, le=1, description="discount")
 
 
-@operator("advantage.reinforce_pp", scope="batch", node_name="advantage", params=ReinforcePP, outputs=OUT,
+@operator("advantage.reinforce_pp", scope="batch", node_name="advantage", params=ReinforcePP, outputs=OUT, aux_outputs=("returns",),
           inputs=REWARDS)
 def reinforce_pp(batch, p: ReinforcePP):
     """G_t = r_t + γG_{t+1};  A = whiten(G) over the whole batch."""
@@ -72,7 +72,7 @@ def reinforce_pp(batch, p: ReinforcePP):
     return {"advantages": adv, "returns": ret}, _metrics(adv, ret, batch["response_mask"])
 
 
-@operator("advantage.remax", scope="row", node_name="advantage", outputs=OUT,
+@operator("advantage.remax", scope="row", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
           inputs={**REWARDS, "reward_baselines": "float32[B, R]"})
 def remax(batch, p):
     """A_t = Σ_{t'≥t} r_t' − b, with b the reward of the greedy response to the same prompt."""

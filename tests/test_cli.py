@@ -130,3 +130,15 @@ def test_plan_with_measured_costs(tmp_path):
     assert res.exit_code == 0 and "predicted timeline (measured seconds)" in res.output
     res = invoke("plan", "grpo", "--measured", str(tmp_path / "nothing"))
     assert res.exit_code == 1 and "no metrics at" in res.output
+
+
+def test_validate_reports_what_only_the_planner_sees():
+    res = invoke("validate", "grpo", "--set", "schedule.micro_batches=64")
+    assert res.exit_code == 1
+    assert "schedule.micro_batches=64 is more than data.batch_size=32 prompts" in res.output
+
+
+def test_builtin_graphs_validate_without_warnings():
+    for name in ("grpo", "grpo_async", "ppo", "rloo", "reinforce_pp"):
+        res = invoke("validate", name)
+        assert res.exit_code == 0 and "0 warning(s)" in res.output, (name, res.output)

@@ -394,7 +394,7 @@ def _check_unused(graph: Graph, add) -> None:
     consumers = graph.consumers()
     for name, node in graph.nodes.items():
         for f in node.outputs:
-            if f.name not in consumers:
+            if f.name not in consumers and node.op_field(f.name) not in node.op.aux_outputs:
                 add(UnusedOutputWarning(
                     f"output {f.name!r} is produced but no node reads it", node=name, field=f.name,
                     location=node.location, fix="ignore this if you read it from the run's outputs",

@@ -85,6 +85,7 @@ class OperatorSpec:
     module: str = ""
     optional_inputs: tuple[str, ...] = field(default=())
     expands: str | None = None
+    aux_outputs: tuple[str, ...] = field(default=())  # outputs often unread: no warning when they are
 
     def expansion(self, params: "Params") -> int:
         """How many output rows each input row becomes (``n`` samples per prompt), else 1."""
@@ -240,6 +241,7 @@ def operator(
     group_key: str = "uid",
     optional_inputs: tuple[str, ...] = (),
     expands: str | None = None,
+    aux_outputs: tuple[str, ...] = (),
     register: bool = True,
 ) -> Callable[[Callable[..., Any]], OperatorSpec]:
     """Declare (and register) an operator; see the module docstring.
@@ -253,6 +255,8 @@ def operator(
     ``expands`` names the parameter giving how many output rows each input row
     becomes (``"n"`` for sampling n responses per prompt); the runtime repeats
     earlier columns to match, as verl's ``repeat(n, interleave=True)``.
+    ``aux_outputs`` are by-products a graph often leaves unread (a sample's
+    weight version): no "unused output" warning for them.
     """
     if scope not in SCOPES:
         raise OperatorDeclarationError(f"operator {name!r}: scope must be one of {SCOPES}, not {scope!r}")
@@ -295,6 +299,7 @@ def operator(
             module=fn.__module__,
             optional_inputs=tuple(optional_inputs),
             expands=expands,
+            aux_outputs=tuple(aux_outputs),
         )
         if register:
             from flowrl.graph.registry import REGISTRY

@@ -31,7 +31,7 @@ SEQUENCE_FIELDS = {
     "rollout.generate", role="actor", scope="row", expands="n", cost=3.0, node_name="generate",
     inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]"},
     outputs={**SEQUENCE_FIELDS, "rollout_log_probs": "float32[B, R]", "weight_version": "int64[B]"},
-    params=Generate,
+    params=Generate, aux_outputs=("rollout_log_probs", "weight_version"),
 )
 def generate(actor, batch, p: Generate):
     """Sample ``n`` responses per prompt; ``weight_version`` records the policy that made each one."""
