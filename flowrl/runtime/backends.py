@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures as cf
+import logging
 import os
 import queue
 import threading
@@ -228,11 +229,12 @@ class RayBackend(Backend):
 
         if not ray.is_initialized():
             env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+            # Ray's own start-up chatter would interleave with the run's view; errors still show
+            quiet = {"logging_level": logging.ERROR, "log_to_driver": True}
             if self.address:
-                ray.init(address=self.address, runtime_env=env, log_to_driver=True)
+                ray.init(address=self.address, runtime_env=env, **quiet)
             else:
-                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env,
-                         log_to_driver=True)
+                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env, **quiet)
             self._started_ray = True
         return ray
 
