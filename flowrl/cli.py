@@ -197,6 +197,7 @@ def run(
         with LiveView(g, total_steps=total, console=console) as view:
             trainer = Trainer(g, backend=backend.value, steps=steps, out=out, address=address, trace=trace,
                               on_step=view.step, on_progress=view.progress, resume=resume, say=view.say)
+            view.placement = dict(trainer.runtime.plan.moved)
             view.say(f"{g.name}: {total} steps on the {backend.value} backend → {trainer.out}")
             trainer.run()
     except RuntimeFailure as e:

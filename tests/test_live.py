@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from rich.console import Console
 
 from flowrl.graph import load_graph
@@ -54,3 +56,21 @@ def test_terminal_view_shows_states_durations_and_metrics():
     for expected in ("1/10", "generate", "done · 0.40 s", "running · 0.50 s", "waiting", "reward/mean",
                      "0.25", "pools busy: train 40%  critic 50%"):
         assert expected in text, expected
+
+
+def test_live_view_shows_where_light_nodes_really_run():
+    from flowrl.runtime.plan import make_plan
+
+    g = load_graph("grpo")
+    view = LiveView(g, total_steps=3, console=Console(file=io.StringIO(), force_terminal=True, width=120))
+    view.placement = dict(make_plan(g).moved)
+    assert view.placement == {"reward": "train", "advantage": "train"}
+    row = {"timing/step": 1.0, "timing/generate": 0.2, "timing/reward": 0.1, "timing/advantage": 0.1,
+           "timing/update_actor": 0.5}
+    assert pool_busy(g, row, view.placement) == {"train": pytest.approx(0.9)}
+    view.step(0, row)
+    rec = Console(width=120, record=True, color_system=None, file=io.StringIO())
+    rec.print(view.render())
+    text = rec.export_text()
+    assert "reward.rule  @train" in text and "advantage.grpo  @train" in text
+    assert "□ driver" not in text  # no node left on the driver: no legend row for it

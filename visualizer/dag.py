@@ -94,11 +94,14 @@ def describe_pool(graph: Graph, pool: str) -> str:
     return f"{_count(cfg.workers, 'worker')} × {', '.join(per_worker)}"
 
 
-def placement(graph: Graph, node: str) -> str:
-    """``role@pool`` for a node; ``driver`` when it has no role, ``role@?`` when the role has no pool."""
+def placement(graph: Graph, node: str, moved: Mapping[str, str] | None = None) -> str:
+    """``role@pool`` for a node; ``driver`` when it has no role, ``role@?`` when the role has no pool.
+
+    ``moved`` maps stateless nodes the plan runs in a pool's process to that pool
+    (shown as ``@pool``)."""
     role = graph.nodes[node].role
     if role is None:
-        return _DRIVER
+        return f"@{moved[node]}" if moved and node in moved else _DRIVER
     return f"{role}@{graph.pool_of(node) or '?'}"
 
 
@@ -120,13 +123,16 @@ def render_dag(
     compact: bool = False,
     states: Mapping[str, str] | None = None,
     durations: Mapping[str, float] | None = None,
+    placement: Mapping[str, str] | None = None,
 ) -> RenderableType:
     """A rich renderable drawing ``graph``'s DAG, laid out when it is printed.
 
     ``width`` caps the drawing (default: the width of the console it is printed
     on). ``states`` (node → one of :data:`STATES`) colours each node's border
     and writes the state in its box; ``durations`` (node → seconds) writes the
-    time in its box. Unknown nodes or states raise :class:`ValueError`.
+    time in its box. ``placement`` (node → pool) marks stateless nodes that a
+    plan runs in a pool's process rather than the driver. Unknown nodes or
+    states raise :class:`ValueError`.
 
     Layout rule: the boxed view (a row of boxes per layer, wrapped onto more
     rows when a layer is wider than ``width``) is used unless ``compact`` is
@@ -143,7 +149,8 @@ def render_dag(
     """
     states = dict(states or {})
     durations = dict(durations or {})
-    for what, given in (("states", states), ("durations", durations)):
+    placement = dict(placement or {})
+    for what, given in (("states", states), ("durations", durations), ("placement", placement)):
         unknown = sorted(set(given) - set(graph.nodes))
         if unknown:
             raise ValueError(f"{what} name nodes not in graph {graph.name!r}: {', '.join(unknown)}")
@@ -151,7 +158,7 @@ def render_dag(
         state_style(state)
     if width is not None and width < 1:
         raise ValueError(f"width must be a positive number of columns, got {width}")
-    return DagView(graph, width=width, compact=compact, states=states, durations=durations)
+    return DagView(graph, width=width, compact=compact, states=states, durations=durations, placement=placement)
 
 
 def print_dag(
@@ -208,8 +215,10 @@ class DagView:
         compact: bool,
         states: dict[str, str],
         durations: dict[str, float],
+        placement: dict[str, str] | None = None,
     ) -> None:
         self.graph = graph
+        self.moved = placement or {}
         self.width = width
         self.compact = compact
         self.states = states
@@ -239,7 +248,7 @@ class DagView:
     def _pool_style(self, node: str) -> Style:
         if node == SOURCE:
             return _NEUTRAL
-        pool = self.graph.pool_of(node)
+        pool = self.moved.get(node) or self.graph.pool_of(node)
         return Style(color=self.colors[pool]) if pool in self.colors else _NEUTRAL
 
     def _name(self, node: str) -> Text:
@@ -271,7 +280,7 @@ class DagView:
                 Text.assemble(("■ ", self.colors[pool]), (pool, self.colors[pool])),
                 Text(f"{describe_pool(g, pool)} · roles {', '.join(cfg.roles) or '(none)'}"),
             )
-        if any(placement(g, n) == _DRIVER for n in g.nodes):
+        if any(placement(g, n, self.moved) == _DRIVER for n in g.nodes):
             legend.add_row(Text("□ " + _DRIVER), Text("nodes without a role, run in the driver"))
         return Group(title, legend)
 
@@ -298,7 +307,7 @@ class DagView:
             data = g.config.data
             return _Box(SOURCE, [Text(data.source), Text(f"batch {data.batch_size}")], _NEUTRAL, _NEUTRAL)
         n = g.nodes[node]
-        lines = [Text(n.op_name), Text(placement(g, node), style=self._pool_style(node))]
+        lines = [Text(n.op_name), Text(placement(g, node, self.moved), style=self._pool_style(node))]
         scope = Text(n.scope)
         status = self._status(node)
         if status is not None:
@@ -375,7 +384,7 @@ class DagView:
                         parts.append(Text(f"{kind} " + ", ".join(preds), style="italic"))
                 rows.append((
                     str(i) if j == 0 else "", self._name(node), Text(n.op_name),
-                    Text(placement(g, node), style=self._pool_style(node)),
+                    Text(placement(g, node, self.moved), style=self._pool_style(node)),
                     self._status(node) or Text(), Text("  ").join(parts),
                 ))
         return rows

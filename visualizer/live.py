@@ -49,12 +49,14 @@ def sparkline(values: list[float], width: int = 24) -> str:
     return "".join(SPARKS[min(len(SPARKS) - 1, int((v - lo) / (hi - lo) * len(SPARKS)))] for v in vals)
 
 
-def pool_busy(graph: Graph, row: dict[str, float]) -> dict[str, float]:
-    """Each pool's busy fraction of the last step: its nodes' time / the step's makespan."""
+def pool_busy(graph: Graph, row: dict[str, float], placement: dict[str, str] | None = None) -> dict[str, float]:
+    """Each pool's busy fraction of the last step: its nodes' time / the step's makespan.
+
+    ``placement`` adds stateless nodes the plan runs in a pool's process."""
     step = row.get("timing/step", 0.0)
     busy: dict[str, float] = {pool: 0.0 for pool in graph.config.pools}
     for node in graph.nodes:
-        pool = graph.pool_of(node)
+        pool = (placement or {}).get(node) or graph.pool_of(node)
         if pool is not None:
             busy[pool] += row.get(f"timing/{node}", 0.0)
     return {p: (b / step if step > 0 else 0.0) for p, b in busy.items()}
@@ -78,8 +80,9 @@ class LiveView:
         self._progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                                   TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), console=self.console)
         self._task = self._progress.add_task(graph.name, total=total_steps, completed=start_step, rate="")
-        self._started_at = time.time()
+        self._first_done: tuple[int, float] | None = None  # (steps done, when): rates exclude start-up
         self._start_step = start_step
+        self.placement: dict[str, str] = {}  # stateless nodes the plan runs in a pool (set by the caller)
         self._live: Live | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -112,9 +115,14 @@ class LiveView:
             if f"timing/{node}" in row:
                 self.durations[node] = row[f"timing/{node}"]
         done = step + 1
-        elapsed = time.time() - self._started_at
-        per_step = elapsed / max(1, done - self._start_step)
-        self._progress.update(self._task, completed=done, rate=f"{per_step:.2f} s/step")
+        now_wall = time.time()
+        if self._first_done is None:
+            self._first_done = (done, now_wall)
+            self._progress.update(self._task, completed=done)
+        else:
+            first, t0 = self._first_done
+            per_step = (now_wall - t0) / max(1, done - first)
+            self._progress.update(self._task, completed=done, rate=f"{per_step:.2f} s/step")
         if self._live is not None:
             self.states = {n: "done" for n in self.graph.nodes}
             self._live.update(self.render())
@@ -139,7 +147,7 @@ class LiveView:
         width = self.console.width
         parts: list[RenderableType] = [self._progress]
         parts.append(render_dag(self.graph, compact=True, width=width, states=self.states or None,
-                                durations=self.durations or None))
+                                durations=self.durations or None, placement=self.placement or None))
         parts.append(self._metrics_table())
         parts.append(self._pools_line())
         return Group(*parts)
@@ -159,7 +167,7 @@ class LiveView:
         if not self.last_row:
             return out.append("—")
         colors = pool_colors(self.graph)
-        for pool, frac in pool_busy(self.graph, self.last_row).items():
+        for pool, frac in pool_busy(self.graph, self.last_row, self.placement).items():
             out.append(f"{pool} ", style=colors.get(pool, ""))
             out.append(f"{frac * 100:.0f}%  ")
         return out

@@ -35,9 +35,9 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
         place.add_column(col, overflow="fold")
     for pool, cfg in g.config.pools.items():
         per = f"{cfg.cpus:g} CPU" + (f", {cfg.gpus:g} GPU" if cfg.gpus else "")
-        nodes = [n for n in g.nodes if g.pool_of(n) == pool]
+        nodes = [n for n in g.nodes if plan.pool_of(n) == pool]
         place.add_row(Text(pool, style=colors[pool]), str(cfg.workers), per, ", ".join(cfg.roles), ", ".join(nodes))
-    driver_nodes = [n for n in g.nodes if g.pool_of(n) is None]
+    driver_nodes = [n for n in g.nodes if plan.pool_of(n) == DRIVER]
     if driver_nodes:
         place.add_row(Text(DRIVER, style="white"), "-", "0 CPU", "-", ", ".join(driver_nodes))
     parts.append(place)

@@ -102,6 +102,11 @@ class Plan:
     tasks: dict[tuple[str, int | None], Task]
     pool_order: dict[str, list[tuple[str, int | None]]]  # pool → its tasks in run order
     order: list[tuple[str, int | None]]  # all tasks, a topological order by priority
+    moved: dict[str, str] = field(default_factory=dict)  # stateless node → the pool that runs it
+
+    def pool_of(self, node: str) -> str:
+        """Where a node runs: its role's pool, the pool a light node moved to, or the driver."""
+        return self.moved.get(node) or self.graph.pool_of(node) or DRIVER
 
     def rows(self, space: Space, mb: int | None) -> tuple[int, int]:
         """The row range of micro-batch ``mb`` (or the whole batch) in ``space``."""
@@ -157,7 +162,7 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
     pool_order: dict[str, list[tuple[str, int | None]]] = {}
     for key in order:
         pool_order.setdefault(tasks[key].pool, []).append(key)
-    return Plan(graph, k, bounds, spaces, tasks, pool_order, order)
+    return Plan(graph, k, bounds, spaces, tasks, pool_order, order, placement)
 
 
 def place_light_nodes(graph: Graph) -> dict[str, str]:
