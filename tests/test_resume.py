@@ -118,3 +118,10 @@ def test_kill_during_save_leaves_the_last_checkpoint_loadable(tmp_path):
     assert [r["step"] for r in rows] == [4, 5]
     assert not list((out / "checkpoints").glob(".tmp_*"))  # the next save cleaned up
     shutil.rmtree(out)
+
+
+def test_resume_is_bit_exact_on_ray_with_weights_in_flight(ray_session, tmp_path):
+    full = train(tmp_path / "full", steps=6, backend="ray", graph="grpo_async")
+    train(tmp_path / "part", steps=3, backend="ray", graph="grpo_async")
+    train(tmp_path / "part", steps=6, resume=True, backend="ray", graph="grpo_async")
+    assert values(read_metrics(tmp_path / "part")) == values(full)
