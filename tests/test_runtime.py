@@ -254,3 +254,30 @@ def test_light_nodes_between_one_pool_run_in_its_process(tmp_path):
     assert len(r.data) == 8
     # pools are joined (ppo: train and critic feed the advantage): they stay on the driver
     assert place_light_nodes(load_graph(HERE / "data" / "ppo.yaml")) == {}
+
+
+def test_outputs_that_break_their_declared_shapes_name_the_operator():
+    from flowrl.data import DataProto
+    from flowrl.graph import OperatorOutputError
+    from tests.userpkg.faults import ragged_reward
+
+    import torch
+
+    batch = DataProto.from_dict(tensors={"responses": torch.zeros(2, 3, dtype=torch.int64),
+                                         "response_mask": torch.ones(2, 3, dtype=torch.int64)})
+    with pytest.raises(OperatorOutputError) as exc:
+        ragged_reward(batch)
+    assert "operator 'userpkg.ragged_reward' returned outputs that do not match its declaration" in str(exc.value)
+    assert "R=3 but R=4" in str(exc.value) or "R=4 but R=3" in str(exc.value)
+
+
+def test_a_source_batch_unlike_its_declared_columns_fails_naming_them():
+    from flowrl.runtime.scheduler import DataSourceMismatch
+
+    g = load_graph(HERE / "data" / "ppo.yaml")
+    bad = next(batches(4))
+    bad.batch["prompts"] = bad.batch["prompts"].float()
+    with Runtime(g, backend="local", resources=BIG) as rt:
+        with pytest.raises(DataSourceMismatch) as exc:
+            rt.run_step(bad)
+    assert "step 0" in str(exc.value) and "prompts: dtype float32, expected int64" in str(exc.value)

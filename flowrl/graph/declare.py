@@ -179,6 +179,10 @@ class OperatorSpec:
                 tensors[name] = value
         out = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta) if (tensors or non_tensors) \
             else DataProto(meta_info=meta)
+        problems = out.check_fields(self.outputs)  # shapes agree with the declaration (R is one R)
+        if problems:
+            raise OperatorOutputError(f"operator {self.name!r} returned outputs that do not match its "
+                                      f"declaration: {'; '.join(problems)}")
         return out, {k: float(v) for k, v in metrics.items()}
 
     def __reduce__(self) -> tuple[Any, ...]:

@@ -39,6 +39,10 @@ from flowrl.data import DataProto
 from flowrl.graph import Graph, StateEdge
 from flowrl.runtime.backends import DRIVER, Backend, PoolSpec, describe_death, make_backend
 from flowrl.runtime.errors import NodeError, NodeTimeoutError, RuntimeFailure, WorkerDiedError
+
+
+class DataSourceMismatch(RuntimeFailure):
+    """A data source yielded a batch that differs from the columns it declares."""
 from flowrl.runtime.plan import Plan, bounds_of, make_plan, pool_work
 from flowrl.runtime.timeline import Timeline
 from flowrl.runtime.worker import Call, Info, NodeEntry, ReadSpec, RoleBuild, assemble
@@ -270,6 +274,10 @@ class Runtime:
     def _submit_step(self, t: int, batch: DataProto, graph: Graph | None = None, plan: Plan | None = None,
                      prefix: str = "") -> _Step:
         g, plan = graph or self.graph, plan or self.plan
+        problems = batch.check_fields(g.source_fields)
+        if problems:
+            raise DataSourceMismatch(f"step {t}: the data source's batch does not match the columns it declares: "
+                                     + "; ".join(problems))
         src = self.backend.put(batch)
         st = _Step(t, time.time(), src, graph=g, plan=plan, prefix=prefix)
         edges_to: dict[str, list[StateEdge]] = {}

@@ -13,3 +13,13 @@ def nan_reward(batch, p):
     second = any(not str(u).startswith("0-") for u in batch["uid"])
     scores = torch.full(batch["responses"].shape, float("nan") if second else 0.0)
     return {"token_level_scores": scores}
+
+
+@operator("userpkg.ragged_reward", scope="row",
+          inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]"},
+          outputs={"token_level_scores": "float32[B, R]", "response_mask_copy": "int64[B, R]"},
+          node_name="reward")
+def ragged_reward(batch, p):
+    """Returns scores one token longer than the responses: R disagrees between its outputs."""
+    b, r = batch["responses"].shape
+    return {"token_level_scores": torch.zeros(b, r + 1), "response_mask_copy": batch["response_mask"]}
