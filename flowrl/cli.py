@@ -211,10 +211,31 @@ def run(
     console.print(f"[green]done[/]: metrics in {trainer.out / 'metrics.jsonl'}")
 
 
+@app.callback(invoke_without_command=True)
+def main_options(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", help="print flowrl's version and exit"),
+) -> None:
+    """flowrl: RL for language models as a declarative dataflow graph."""
+    if version:
+        from flowrl import __version__
+
+        console.print(f"flowrl {__version__}")
+        raise typer.Exit(0)
+    if ctx.invoked_subcommand is None:
+        console.print(ctx.get_help())
+        raise typer.Exit(0)
+
+
 @app.command()
-def ops() -> None:
-    """List the registered operators with their fields and parameters."""
+def ops(
+    name: Optional[str] = typer.Argument(None, help="one operator to describe (e.g. advantage.grpo)"),
+) -> None:
+    """List the registered operators, or describe one: its fields, role, scope and parameters."""
     REGISTRY.load_plugins()
+    if name is not None:
+        _describe_op(name)
+        return
     table = Table(title="operators", show_lines=False)
     table.add_column("operator", no_wrap=True, style="bold")
     for col in ("role", "scope", "reads", "writes", "parameters"):
@@ -224,6 +245,40 @@ def ops() -> None:
         params = ", ".join(f"{n}={d}" for n, _, d, _ in op.param_table())
         table.add_row(name, op.role or "-", op.scope, ", ".join(op.input_names), ", ".join(op.output_names), params)
     console.print(table)
+
+
+def _describe_op(name: str) -> None:
+    from flowrl.graph.registry import ImportPathError, UnknownNameError
+
+    try:
+        op = REGISTRY.operator(name)
+    except (UnknownNameError, ImportPathError) as e:
+        err_console.print(f"[bold red]error[/] {_escape(str(e))}")
+        raise typer.Exit(1) from None
+    console.print(f"[bold]{op.name}[/]  (node name {op.default_node_name()!r}, defined in {op.module})")
+    if op.doc:
+        console.print(_escape(op.doc))
+    role = f"role {op.role!r} (kinds: {', '.join(op.role_kinds)})" if op.role else "no role (runs on the driver)"
+    extras = [f"scope {op.scope}", f"dispatch {op.dispatch}", role]
+    if op.updates_role:
+        extras.append("updates its role")
+    if op.expands:
+        extras.append(f"each input row becomes {op.expands!r} rows")
+    console.print("  ".join(extras))
+    fields = Table(box=None, show_header=True, header_style="bold")
+    for col in ("", "field", "spec", "note"):
+        fields.add_column(col)
+    for f in op.inputs:
+        fields.add_row("reads", f.name, f.spec, "optional" if f.name in op.optional_inputs else "")
+    for f in op.outputs:
+        fields.add_row("writes", f.name, f.spec, "auxiliary" if f.name in op.aux_outputs else "")
+    console.print(fields)
+    params = Table(box=None, show_header=True, header_style="bold")
+    for col in ("parameter", "type", "default", "description"):
+        params.add_column(col, overflow="fold")
+    for row in op.param_table():
+        params.add_row(*(_escape(x) for x in row))
+    console.print(params if op.params.model_fields else "no parameters")
 
 
 def main() -> None:  # pragma: no cover - console entry point

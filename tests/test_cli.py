@@ -142,3 +142,15 @@ def test_builtin_graphs_validate_without_warnings():
     for name in ("grpo", "grpo_async", "ppo", "rloo", "reinforce_pp"):
         res = invoke("validate", name)
         assert res.exit_code == 0 and "0 warning(s)" in res.output, (name, res.output)
+
+
+def test_version_and_describing_one_operator():
+    from flowrl import __version__
+
+    assert invoke("--version").output.strip() == f"flowrl {__version__}"
+    res = invoke("ops", "advantage.grpo")
+    assert res.exit_code == 0
+    for text in ("A_i = (r_i", "scope group", "token_level_rewards", "float32[B, R]", "norm_by_std", "auxiliary"):
+        assert text in res.output, text
+    res = invoke("ops", "advantage.gea")
+    assert res.exit_code == 1 and "did you mean 'advantage.gae'" in res.output
