@@ -10,7 +10,7 @@ from operators import actor, advantage, reward, rollout
     pools={"train": {"workers": 1, "cpus": 1, "roles": ["actor"]}},
     data={"source": "builtin:copy", "batch_size": 32},
     schedule={"micro_batches": 1, "staleness": 0},
-    trainer={"steps": 300, "seed": 0, "out": "runs/grpo"},
+    trainer={"steps": 300, "seed": 0, "out": "runs/grpo", "val_every": 50, "checkpoint_every": 100},
 )
 def grpo(batch):
     batch = rollout.generate(batch, n=8, max_new_tokens=8, temperature=1.0)

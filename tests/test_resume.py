@@ -73,15 +73,15 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
     train(tmp_path / "run", steps=6, **{"trainer.checkpoint_every": 2})
     store = CheckpointStore(tmp_path / "run" / "checkpoints")
     newest = store.complete()[0]
-    assert newest.name == "step_00000005"
+    assert newest.name == "step_00000006"
     data = (newest / "workers.pt").read_bytes()
     (newest / "workers.pt").write_bytes(data[: len(data) // 2])  # truncated
     said = []
     g = load_graph("grpo", overrides={**TINY, "trainer.checkpoint_every": 2})
     trainer = Trainer(g, backend="local", steps=8, out=tmp_path / "run", resume=True, say=said.append)
     rows = trainer.run()
-    assert any("step_00000005 is unreadable" in m and "falling back" in m for m in said)
-    assert any("resuming from" in m and "step_00000003" in m for m in said)
+    assert any("step_00000006 is unreadable" in m and "falling back" in m for m in said)
+    assert any("resuming from" in m and "step_00000004" in m for m in said)
     assert [r["step"] for r in rows] == [5, 6, 7, 8]
 
 
@@ -107,13 +107,13 @@ def test_kill_during_save_leaves_the_last_checkpoint_loadable(tmp_path):
     pkl.write_bytes(__import__("pickle").dumps(big))
     proc = subprocess.Popen([sys.executable, "-c", script, str(pkl), str(out / "checkpoints")])
     deadline = time.time() + 60
-    while time.time() < deadline and not list((out / "checkpoints").glob(".tmp_step_00000099_*")):
+    while time.time() < deadline and not list((out / "checkpoints").glob(".tmp_step_00000100_*")):
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (out / "checkpoints" / "step_00000099").exists()
+    assert not (out / "checkpoints" / "step_00000100").exists()
     payload2, meta, path = store.load_latest(warn=lambda m: None)
-    assert path.name == "step_00000002" and meta["step"] == 2
+    assert path.name == "step_00000003" and meta["step"] == 2
     rows = train(out, steps=5, resume=True)  # and the run continues from it
     assert [r["step"] for r in rows] == [4, 5]
     assert not list((out / "checkpoints").glob(".tmp_*"))  # the next save cleaned up

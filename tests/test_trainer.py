@@ -60,7 +60,7 @@ def test_nan_reward_stops_at_the_node_and_keeps_the_last_good_checkpoint(tmp_pat
     msg = str(exc.value)
     assert "node 'reward' failed at step 1" in msg and "non-finite values in token_level_scores" in msg
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
-    assert saved == ["step_00000000"]  # the good step, nothing after it
+    assert saved == ["step_00000001"]  # the good step, nothing after it
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 1
 
@@ -76,7 +76,7 @@ def test_kill_9_then_resume_matches_an_uninterrupted_run(tmp_path):
               "--set", "trainer.checkpoint_every=2"]
     full = _cli("run", "grpo", "--steps", "8", "--out", str(tmp_path / "full"), *common)
     victim = _cli("run", "grpo", "--steps", "8", "--out", str(tmp_path / "cut"), *common)
-    ckpt = tmp_path / "cut" / "checkpoints" / "step_00000003"
+    ckpt = tmp_path / "cut" / "checkpoints" / "step_00000004"
     deadline = time.time() + 120
     while time.time() < deadline and not ckpt.is_dir():
         time.sleep(0.02)
@@ -109,7 +109,7 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(tmp_path):
     assert "checkpoint saved, continue with --resume" in out
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()
     saved = sorted((tmp_path / "checkpoints").iterdir())
-    assert saved[-1].name == f"step_{len(rows) - 1:08d}"  # the last finished step
+    assert saved[-1].name == f"step_{len(rows):08d}"  # after the last finished step
 
 
 def test_tensorboard_gets_the_same_scalars_when_installed(tmp_path):

@@ -1,6 +1,6 @@
 """Checkpoints on disk: atomic, pruned, verified on load.
 
-A checkpoint of step k is a directory ``step_<k>`` holding every worker's
+A checkpoint after k completed steps is a directory ``step_<k>`` holding every worker's
 role states (``workers.pt``), weights still owed to in-flight steps
 (``weights.pt``), and ``meta.json`` (the step, the data position, the graph it
 belongs to). It is written under a temporary name and renamed into place, so a
@@ -54,8 +54,10 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp_*"):  # left by a run killed mid-save
             shutil.rmtree(stale, ignore_errors=True)
-        final = self.root / f"step_{step:08d}"
-        tmp = self.root / f".tmp_step_{step:08d}_{os.getpid()}"
+        # named by completed steps, as the run shows them ("step 100/300" → step_00000100);
+        # meta's "step" is the 0-based index of the last step in it
+        final = self.root / f"step_{step + 1:08d}"
+        tmp = self.root / f".tmp_step_{step + 1:08d}_{os.getpid()}"
         tmp.mkdir()
         _write(tmp / "workers.pt", lambda f: torch.save(payload["workers"], f))
         _write(tmp / "weights.pt", lambda f: torch.save(payload["weights"], f))
