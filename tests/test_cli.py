@@ -154,3 +154,10 @@ def test_version_and_describing_one_operator():
         assert text in res.output, text
     res = invoke("ops", "advantage.gea")
     assert res.exit_code == 1 and "did you mean 'advantage.gae'" in res.output
+
+
+def test_validate_and_viz_take_python_graph_modules():
+    res = invoke("validate", str(ROOT / "graphs" / "ppo.py"))
+    assert res.exit_code == 0 and "ok ppo: 9 nodes" in res.output
+    res = invoke("viz", str(ROOT / "graphs" / "grpo.py"), "--format", "dot")
+    assert res.exit_code == 0 and '"generate" -> "reward"' in res.output
