@@ -174,3 +174,24 @@ def test_adaptive_kl_reward_moves_beta_toward_the_target():
     # KL 1.0 > target 0.5: error clipped to +0.2, β ← 0.1 · (1 + 0.2 · 4/100)
     assert second.meta_info["metrics"]["actor/kl_coef"] == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))
     assert "kl_ctrl" in actor.state_dict()["extra_state"]
+
+
+def test_a_local_model_directory_and_a_verl_parquet_file_train_end_to_end(tmp_path):
+    """The route for a real model: a Hugging Face directory and a parquet file in verl's schema."""
+    import pandas as pd
+
+    from operators.models import load_model, save_model
+
+    model, tok = load_model("builtin:tiny", seed=1)
+    model_dir = save_model(model, tok, tmp_path / "my-model")
+    rows = [{"prompt": [{"role": "user", "content": f"copy {a} {b} ="}], "data_source": "builtin:copy",
+             "reward_model": {"ground_truth": f"{a} {b}", "style": "rule"}, "extra_info": {"index": i}}
+            for i, (a, b) in enumerate([(1, 2), (3, 4), (5, 6), (7, 8), (9, 0), (2, 4)])]
+    data = tmp_path / "train.parquet"
+    pd.DataFrame(rows).to_parquet(data)
+    g = load_graph("grpo", overrides={**TINY, "roles.actor.model": str(model_dir), "data.source": str(data),
+                                      "trainer.val_every": 0, "trainer.checkpoint_every": 0})
+    assert g.check().ok, [str(p) for p in g.check().errors]
+    history = Trainer(g, backend="local", steps=2, out=tmp_path / "run", say=lambda m: None).run()
+    assert [r["step"] for r in history] == [1, 2]
+    assert 0.0 <= history[-1]["reward/mean"] <= 1.0
