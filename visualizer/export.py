@@ -87,7 +87,6 @@ def to_dot(graph: Graph) -> str:
 
         >>> print(to_dot(graph))            # doctest: +SKIP
         digraph "test_ppo" {
-          ...
           "data" -> "generate" [label="prompts, uid"];
     """
     q = _dot_quote

@@ -56,12 +56,9 @@ class DatasetError(ValueError):
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a ``.parquet`` or ``.jsonl`` file as dicts, after checking the required columns.
 
-    Example::
-
-        >>> read_rows("missing.parquet")
-        Traceback (most recent call last):
-        ...
-        FileNotFoundError: dataset file 'missing.parquet' does not exist ...
+    A missing file raises ``FileNotFoundError`` naming it
+    (``read_rows("missing.parquet")`` → ``dataset file 'missing.parquet' does not exist``);
+    a missing required column raises :class:`DatasetError` naming the file and the column.
     """
     path = Path(path)
     if not path.is_file():

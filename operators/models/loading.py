@@ -11,10 +11,9 @@ Example::
     >>> model, tok = load_model("builtin:tiny", seed=0)
     >>> sum(p.numel() for p in model.parameters())
     528640
-    >>> load_model("/no/such/dir")
-    Traceback (most recent call last):
-    ...
-    operators.models.loading.ModelLoadError: model '/no/such/dir': no such directory ...
+
+A missing or invalid directory raises :class:`ModelLoadError` naming the path:
+``load_model("/no/such/dir")`` → ``model '/no/such/dir': no such directory (...)``.
 """
 
 from __future__ import annotations
