@@ -71,19 +71,19 @@ class TrainableRole:
             self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg.optim)
         model.eval()
 
-    def step(self, loss_fn) -> dict[str, float]:
-        """One optimizer step: ``loss_fn()`` accumulates gradients (it calls backward)."""
+    def step(self, backward) -> dict[str, float]:
+        """One optimizer step: ``backward()`` accumulates the gradients; returns grad_norm and lr."""
         assert self.optimizer is not None, f"role {self.ctx.name!r} is frozen"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        metrics = loss_fn()
+        backward()
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.model.eval()
         self.updates += 1
-        return {**metrics, "grad_norm": grad_norm, "lr": lr}
+        return {"grad_norm": grad_norm, "lr": lr}
 
     def fit(self, batch: Any, loss_fn, *, mini_batch_size: int | None, epochs: int,
             micro_batch_size: int | None) -> dict[str, float]:
@@ -100,22 +100,19 @@ class TrainableRole:
         gen = torch.Generator().manual_seed(self.ctx.seed * 7919 + self.updates)
         totals: dict[str, list[float]] = {}
 
-        def accumulate(mb_rows: torch.Tensor) -> dict[str, float]:
+        def accumulate(mb_rows: torch.Tensor) -> None:
             for start in range(0, len(mb_rows), micro):
                 rows = mb_rows[start:start + micro]
                 loss, metrics = loss_fn(batch[rows])
                 (loss * len(rows) / len(mb_rows)).backward()
                 for k, v in metrics.items():
                     totals.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else float(v))
-            return {}
 
-        last: dict[str, float] = {}
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if mini < n else torch.arange(n)
             for start in range(0, n, mini):
-                last = self.step(lambda: accumulate(order[start:start + mini]))
-                for k in ("grad_norm", "lr"):
-                    totals.setdefault(k, []).append(last[k])
+                for k, v in self.step(lambda: accumulate(order[start:start + mini])).items():
+                    totals.setdefault(k, []).append(v)
         return {k: sum(v) / len(v) for k, v in totals.items()}
 
     def get_weights(self) -> dict[str, torch.Tensor]:

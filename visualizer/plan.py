@@ -16,17 +16,11 @@ from rich.table import Table
 from rich.text import Text
 
 from flowrl.runtime.plan import DRIVER, Plan, Simulation
-
-_PALETTE = ["cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta"]
-
-
-def pool_colors(names: list[str]) -> dict[str, str]:
-    return {n: _PALETTE[i % len(_PALETTE)] for i, n in enumerate(names)}
-
+from visualizer.dag import pool_colors
 
 def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 80) -> Group:
     g = plan.graph
-    colors = pool_colors(list(g.config.pools))
+    colors = pool_colors(g)  # the same colour per pool as flowrl viz and the live view
     colors[DRIVER] = "white"
     parts: list[Any] = []
 
@@ -70,7 +64,6 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
     parts.append(stale)
 
     sim = plan.simulate(costs)
-    sim.measured = costs is not None
     parts.append(render_gantt(plan, sim, colors, width=width))
     return Group(*parts)
 
@@ -80,7 +73,7 @@ def render_gantt(plan: Plan, sim: Simulation, colors: dict[str, str], width: int
     label_w = max(len(p) for p in list(plan.pool_order) + ["driver"]) + 2
     bar_w = max(20, width - label_w - 2)
     scale = bar_w / sim.makespan if sim.makespan > 0 else 1.0
-    basis = "declared costs" if not getattr(sim, "measured", False) else "measured seconds"
+    basis = "measured seconds" if sim.measured else "declared costs"
     out = Text(f"predicted timeline ({basis}): makespan {sim.makespan:.2f}, lower bound "
                f"{sim.lower_bound:.2f}, efficiency {sim.efficiency:.2f}\n", style="bold")
     for pool, keys in plan.pool_order.items():

@@ -36,7 +36,7 @@ import math
 import os
 import pickle
 from dataclasses import dataclass, field as dataclass_field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import torch

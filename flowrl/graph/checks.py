@@ -401,11 +401,6 @@ def _check_unused(graph: Graph, add) -> None:
                 ))
 
 
-def problems_from_exception(exc: BaseException, location: Location) -> list[GraphProblem]:
-    """Wrap an exception raised while loading a graph file as a problem list."""
-    return [GraphSyntaxError(f"{type(exc).__name__}: {exc}", location=location)]
-
-
 __all__: list[Any] = [
     "GraphProblem", "GraphSyntaxError", "SchemaError", "CycleError", "MissingProducerError",
     "DuplicateProducerError", "FieldTypeError", "UnknownOperatorError", "ParameterError", "RoleError",

@@ -363,16 +363,6 @@ class Graph:
                 out.setdefault(f.name, []).append(name)
         return out
 
-    def produced_field(self, name: str) -> Field | None:
-        for f in self.source_fields:
-            if f.name == name:
-                return f
-        for node in self.nodes.values():
-            for f in node.outputs:
-                if f.name == name:
-                    return f
-        return None
-
     def topological_order(self) -> list[str]:
         """Nodes in a dependency order (declaration order breaks ties)."""
         rank = {n: i for i, n in enumerate(self.nodes)}

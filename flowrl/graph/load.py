@@ -101,8 +101,6 @@ def load_python(ref: str) -> Graph:
     mod_ref, _, attr = ref.partition(":") if not ref.endswith(".py") else (ref, "", "")
     try:
         module = load_module(mod_ref)
-    except GraphError:
-        raise
     except ImportPathError as e:
         raise GraphError([GraphSyntaxError(str(e), location=Location(mod_ref))]) from None
     except SyntaxError as e:

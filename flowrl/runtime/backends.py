@@ -309,12 +309,6 @@ class RayBackend(Backend):
         pid = self.pids.get((pool, rank))
         return f"{pool}[{rank}]" + (f" (pid {pid})" if pid else "")
 
-    def kill(self, pool: str, rank: int) -> None:
-        """Kill one worker process (tests of failure handling)."""
-        import ray
-
-        ray.kill(self.actors[(pool, rank)], no_restart=True)
-
     def shutdown(self) -> None:
         import ray
 

@@ -332,7 +332,8 @@ def simulate(plan: Plan, costs: dict[str, float] | None = None) -> Simulation:
         if t.pool != DRIVER:
             pool_free[t.pool] = end[key]
     makespan = max(end.values(), default=0.0)
-    return Simulation(start, end, makespan, *bounds_of(plan, {k: end[k] - start[k] for k in end}))
+    return Simulation(start, end, makespan, *bounds_of(plan, {k: end[k] - start[k] for k in end}),
+                      measured=costs is not None)
 
 
 def bounds_of(plan: Plan, durations: dict[tuple[str, int | None], float]) -> tuple[float, tuple[str, float]]:

@@ -8,7 +8,6 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
 from pathlib import Path
 
 from flowrl.runtime.worker import Info
@@ -22,9 +21,6 @@ class Timeline:
 
     def add(self, info: Info) -> None:
         self.records.append(info)
-
-    def of_step(self, step: int) -> list[Info]:
-        return [r for r in self.records if r.step == step]
 
     def of_node(self, node: str, step: int | None = None) -> list[Info]:
         return [r for r in self.records if r.node == node and (step is None or r.step == step)]
@@ -57,6 +53,3 @@ class Timeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         return path
-
-    def to_records(self) -> list[dict]:
-        return [asdict(r) for r in self.records]

@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import json
-import math
 import signal
 import threading
 import time
@@ -30,17 +29,12 @@ import yaml
 
 from flowrl.graph import REGISTRY, Graph
 from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore, differences, fingerprint
-from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.scheduler import Runtime, StepResult
 from flowrl.runtime.sinks import open_sinks
 from flowrl.runtime.validation import validation_graph
 
 #: fields written by ``trainer.dump_rollouts``, when the graph has them
 DUMPED = ("uid", "prompts", "responses", "response_mask", "token_level_scores", "advantages", "weight_version")
-
-
-class NonFiniteError(RuntimeFailure):
-    """A loss, reward or gradient became NaN or infinite."""
 
 
 class Trainer:
@@ -84,6 +78,8 @@ class Trainer:
         self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.stopped = False
         self._last_end: float | None = None
+        # rows a step generates: prompts × the largest expansion (n samples per prompt)
+        self.samples_per_step = cfg.data.batch_size * max(sp.factor for sp in self.runtime.plan.spaces.values())
 
     def run(self) -> list[dict[str, float]]:
         cfg = self.graph.config
@@ -209,24 +205,14 @@ class Trainer:
         return lambda: signal.signal(signal.SIGINT, previous)
 
     def _row(self, result: StepResult, start: float) -> dict[str, Any]:
-        bad = sorted(k for k, v in result.metrics.items() if not math.isfinite(v))
-        if bad:
-            nodes = sorted({i.node for i in result.infos if any(not math.isfinite(v) for v in i.metrics.values())})
-            kept = self.store.complete()
-            raise NonFiniteError(
-                f"step {result.step + 1}: {', '.join(f'{k}={result.metrics[k]}' for k in bad)} from node(s) "
-                f"{', '.join(repr(n) for n in nodes) or '?'}; stopping. "
-                + (f"The last good checkpoint is {kept[0]}." if kept else "No checkpoint was written yet.")
-            )
         now = time.time()
         row = {"step": result.step + 1, **result.metrics, **(result.val_metrics or {}),
                "timing/elapsed": now - start}
         # throughput over wall time between finished steps (it includes any overlap across steps)
         wall = now - self._last_end if self._last_end is not None else result.makespan
         self._last_end = now
-        samples = self.graph.config.data.batch_size * max(sp.factor for sp in self.runtime.plan.spaces.values())
         if wall > 0:
-            row["throughput/samples_per_s"] = samples / wall
+            row["throughput/samples_per_s"] = self.samples_per_step / wall
             if "response_length/mean" in row:
-                row["throughput/tokens_per_s"] = samples * row["response_length/mean"] / wall
+                row["throughput/tokens_per_s"] = self.samples_per_step * row["response_length/mean"] / wall
         return row

@@ -278,13 +278,6 @@ class Worker:
             self._set_version(owner)
         return len(state["roles"])
 
-    def version(self, role: str) -> int:
-        return self.versions[self.owner[role]]
-
-    def role(self, name: str) -> Any:
-        """The role object (local backend and tests)."""
-        return self.roles[name]
-
     def ping(self) -> int:
         return os.getpid()
 
