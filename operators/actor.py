@@ -1,60 +1,140 @@
-"""The actor update: PPO's clipped surrogate, with optional dual clip, entropy bonus and KL loss."""
+"""The actor update: a policy loss chosen by name (verl's ``policy_loss.loss_mode``), entropy
+bonus, KL loss, and rollout correction (train/inference mismatch metrics, TIS, MIS)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
+import torch
 from pydantic import Field
 
 from flowrl.graph import Params, operator
-from operators.algos import entropy_loss, kl_loss, policy_loss
+from operators.algos import (
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    PolicyLossParams,
+    entropy_loss,
+    get_policy_loss,
+    kl_loss,
+    mismatch_metrics,
+    rollout_correction,
+)
+from operators.algos.losses import AGG_MODES
 from operators.logprob import SEQUENCE_IN
 from operators.models import response_log_probs
 
-AGG = "^(token-mean|seq-mean-token-sum|seq-mean-token-mean)$"
+AGG = f"^({'|'.join(AGG_MODES)})$"
+
+
+def _choice(names) -> str:
+    return "^(" + "|".join(n.replace("+", r"\+") for n in names) + ")$"
 
 
 class ActorUpdate(Params):
-    clip_ratio: float = Field(0.2, gt=0, description="ε of the clipped surrogate")
+    policy_loss: str = Field("vanilla", pattern=_choice(POLICY_LOSSES),
+                             description=f"the policy loss: {', '.join(POLICY_LOSSES)}")
+    clip_ratio: float = Field(0.2, gt=0, description="ε of the clipped surrogate (dppo_*: the divergence bound)")
     clip_ratio_low: float | None = Field(None, gt=0, description="ε below 1 (default: clip_ratio)")
     clip_ratio_high: float | None = Field(None, gt=0, description="ε above 1 (default: clip_ratio)")
-    clip_ratio_c: float | None = Field(None, gt=1, description="dual-clip bound c > 1 (off by default)")
+    clip_ratio_c: float | None = Field(3.0, gt=1, description="dual-clip bound c > 1 (verl's default 3.0); "
+                                                              "null turns the dual clip off")
+    tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature for positive advantages")
+    tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature for negative advantages")
+    clip_cov_ratio: float = Field(0.0002, gt=0, description="clip_cov: share of tokens whose gradient is cut")
+    clip_cov_lb: float = Field(1.0, description="clip_cov: covariance lower bound")
+    clip_cov_ub: float = Field(5.0, description="clip_cov: covariance upper bound")
+    kl_cov_ratio: float = Field(0.0002, gt=0, description="kl_cov: share of tokens given the KL penalty")
+    ppo_kl_coef: float = Field(0.1, ge=0, description="kl_cov: the penalty's weight")
+    dro_beta: float | None = Field(None, gt=0, description="dro: weight of the quadratic log-ratio penalty")
     entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus weight")
     use_kl_loss: bool = Field(False, description="add β·KL(π‖π_ref) to the loss (GRPO-style)")
     kl_loss_coef: float = Field(0.001, ge=0)
-    kl_loss_type: str = Field("k3", pattern="^(k1|abs|k2|k3|kl|mse|low_var_kl)$")
+    kl_loss_type: str = Field("k3", pattern=_choice(KL_ESTIMATORS),
+                              description="k1, abs, k2, k3 (kl, mse, low_var_kl), '+' for a k2 gradient")
     loss_agg_mode: str = Field("token-mean", pattern=AGG)
+    rollout_is: Literal["token", "sequence"] | None = Field(
+        None, description="TIS: weight the loss by min(π_old/π_rollout, rollout_is_threshold), per token or "
+                          "per sequence (needs old_log_probs from logprob.old)")
+    rollout_is_threshold: float = Field(2.0, gt=0, description="TIS cap C; also the mismatch metrics' threshold")
+    rollout_rs: Literal["token", "sequence"] | None = Field(
+        None, description="MIS: drop tokens / sequences whose π_old/π_rollout is outside the bounds")
+    rollout_rs_threshold: float = Field(2.0, gt=0, description="MIS upper bound")
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="MIS lower bound (default 1/upper)")
     mini_batch_size: int | None = Field(None, ge=1, description="rows per optimizer step (default: all)")
     epochs: int = Field(1, ge=1, description="passes over the batch")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per forward pass (grad accumulation)")
     temperature: float = Field(1.0, gt=0, description="the rollout's temperature")
 
+    def loss_params(self) -> PolicyLossParams:
+        return PolicyLossParams(
+            clip_ratio=self.clip_ratio, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
+            clip_ratio_c=self.clip_ratio_c, tau_pos=self.tau_pos, tau_neg=self.tau_neg,
+            clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb, clip_cov_ub=self.clip_cov_ub,
+            kl_cov_ratio=self.kl_cov_ratio, ppo_kl_coef=self.ppo_kl_coef, dro_beta=self.dro_beta)
+
+
+def agg_kwargs(norm) -> dict[str, float]:
+    """The global normaliser ``fit`` hands a loss function, as :func:`agg_loss` keywords."""
+    return {} if norm is None else {"norm_tokens": norm.tokens, "norm_seqs": norm.seqs}
+
 
 @operator(
     "actor.update", role="actor", scope="batch", dispatch="all", updates_role=True, node_name="update_actor",
-    cost=4.0, params=ActorUpdate, optional_inputs=("ref_log_prob",),
+    cost=4.0, params=ActorUpdate, optional_inputs=("ref_log_prob", "rollout_log_probs"),
     inputs={**SEQUENCE_IN, "response_mask": "int64[B, R]", "old_log_probs": "float32[B, R]",
-            "advantages": "float32[B, R]", "ref_log_prob": "float32[B, R]"},
+            "advantages": "float32[B, R]", "ref_log_prob": "float32[B, R]", "rollout_log_probs": "float32[B, R]"},
     outputs={},
 )
 def update(actor, batch, p: ActorUpdate):
-    """L = PPO-clip(ratio, A) − c_H · H(π) + β · KL(π ‖ π_ref), with ratio = exp(log π − log π_old)."""
+    """L = policy_loss(ratio, A) − c_H · H(π) + β · KL(π ‖ π_ref), with ratio = exp(log π − log π_old).
+
+    With the sampler's ``rollout_log_probs`` in the batch, the train/inference
+    mismatch is reported every step (``actor/rollout_corr/*``), and TIS / MIS
+    correct π_old for it when asked.
+    """
     if p.use_kl_loss and "ref_log_prob" not in batch:
         raise ValueError("use_kl_loss needs ref_log_prob: add a logprob.ref node to the graph")
+    has_rollout = "rollout_log_probs" in batch
+    if (p.rollout_is or p.rollout_rs) and not has_rollout:
+        raise ValueError("rollout_is / rollout_rs need the sampler's rollout_log_probs; generate them with "
+                         "rollout.generate (they are on by default)")
+    if (p.rollout_is or p.rollout_rs) and torch.equal(batch["old_log_probs"], batch["rollout_log_probs"]):
+        raise ValueError(
+            "rollout_is / rollout_rs correct π_old for the sampler, but old_log_probs is rollout_log_probs here: "
+            "the PPO ratio π/π_rollout already carries (and clips) the mismatch. Add a logprob.old node "
+            "and drop the old_log_probs input mapping of update_actor")
+    loss_of = get_policy_loss(p.policy_loss)
+    params = p.loss_params()
 
-    def loss_fn(mb):
+    def loss_fn(mb, norm=None):
         log_prob, entropy = response_log_probs(actor.model, mb["input_ids"], mb["attention_mask"],
                                                mb["position_ids"], mb["responses"].shape[1], p.temperature,
                                                with_entropy=True)
         mask = mb["response_mask"]
-        pg = policy_loss(mb["old_log_probs"], log_prob, mb["advantages"], mask, p.clip_ratio,
-                         p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c, p.loss_agg_mode)
-        ent = entropy_loss(entropy, mask, p.loss_agg_mode)
+        agg = agg_kwargs(norm)
+        metrics = {}
+        weights = None
+        if has_rollout:
+            if p.rollout_is or p.rollout_rs:
+                corr = rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask,
+                                          is_level=p.rollout_is, is_threshold=p.rollout_is_threshold,
+                                          rs_level=p.rollout_rs, rs_threshold=p.rollout_rs_threshold,
+                                          rs_threshold_lower=p.rollout_rs_threshold_lower)
+                weights, mask = corr.weights, corr.response_mask
+                metrics.update({k: v for k, v in corr.metrics.items() if "/is_" in k or "/rs_" in k})
+            # the gap between the policy being trained and the one that sampled, whatever corrects it
+            metrics.update(mismatch_metrics(log_prob, mb["rollout_log_probs"], mb["response_mask"],
+                                            p.rollout_is_threshold))
+        pg = loss_of(mb["old_log_probs"], log_prob, mb["advantages"], mask, p.loss_agg_mode, params,
+                     weights, **agg)
+        ent = entropy_loss(entropy, mask, p.loss_agg_mode, **agg)
         loss = pg.pg_loss - p.entropy_coeff * ent
-        metrics = {"pg_loss": pg.pg_loss.detach(), "clipfrac": pg.pg_clipfrac, "approx_kl": pg.ppo_kl,
-                   "entropy": ent.detach()}
-        if p.clip_ratio_c is not None:
+        metrics.update({"pg_loss": pg.pg_loss.detach(), "clipfrac": pg.pg_clipfrac, "approx_kl": pg.ppo_kl,
+                        "entropy": ent.detach()})
+        if p.clip_ratio_c is not None or p.policy_loss != "vanilla":
             metrics["clipfrac_lower"] = pg.pg_clipfrac_lower
         if p.use_kl_loss:
-            kl = kl_loss(log_prob, mb["ref_log_prob"], mask, p.kl_loss_type, p.loss_agg_mode)
+            kl = kl_loss(log_prob, mb["ref_log_prob"], mask, p.kl_loss_type, p.loss_agg_mode, **agg)
             loss = loss + p.kl_loss_coef * kl
             metrics["kl_loss"] = kl.detach()
         return loss, metrics

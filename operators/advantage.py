@@ -1,26 +1,56 @@
-"""Advantage estimators: GAE (with a critic) and the critic-free GRPO, RLOO, REINFORCE++, ReMax."""
+"""Advantage estimators as operators, one per verl ``adv_estimator`` name.
+
+=====================================  ===================================  ==========
+operator                               verl ``algorithm.adv_estimator``     scope
+=====================================  ===================================  ==========
+``advantage.gae``                      ``gae``                              batch
+``advantage.grpo``                     ``grpo`` (Dr.GRPO: no std)           group
+``advantage.grpo_passk``               ``grpo_passk``                       group
+``advantage.rloo``                     ``rloo``                             group
+``advantage.opo``                      ``opo``                              group
+``advantage.gpg``                      ``gpg``                              batch
+``advantage.gdpo``                     ``gdpo``                             batch
+``advantage.reinforce_pp``             ``reinforce_plus_plus``              batch
+``advantage.reinforce_pp_baseline``    ``reinforce_plus_plus_baseline``     batch
+``advantage.remax``                    ``remax``                            row
+``advantage.optimal_token_baseline``   ``optimal_token_baseline``           group
+``advantage.tir_optimal_token_baseline``  ``tir_optimal_token_baseline``    group
+=====================================  ===================================  ==========
+"""
 
 from __future__ import annotations
 
 import torch
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from flowrl.graph import Params, operator
 from operators.algos import (
     gae_advantages,
+    gdpo_advantages,
+    gpg_advantages,
     grpo_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
+    optimal_token_baseline_advantages,
     reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
     remax_advantages,
     rloo_advantages,
+    tir_optimal_token_baseline_advantages,
 )
 
 OUT = {"advantages": "float32[B, R]", "returns": "float32[B, R]"}
 REWARDS = {"token_level_rewards": "float32[B, R]", "response_mask": "int64[B, R]"}
+GROUPED = {**REWARDS, "uid": "object[B]"}
 
 
 def _metrics(adv: torch.Tensor, ret: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
     valid = mask.bool()
     return {"critic/advantages/mean": adv[valid].mean(), "critic/returns/mean": ret[valid].mean()}
+
+
+def _out(adv: torch.Tensor, ret: torch.Tensor, mask: torch.Tensor):
+    return {"advantages": adv, "returns": ret}, _metrics(adv, ret, mask)
 
 
 class GAE(Params):
@@ -35,41 +65,89 @@ def gae(batch, p: GAE):
     """δ_t = r_t + γV_{t+1} − V_t;  A_t = Σ_l (γλ)^l δ_{t+l};  returns = A + V."""
     adv, ret = gae_advantages(batch["token_level_rewards"], batch["values"], batch["response_mask"],
                               p.gamma, p.lam, p.whiten)
-    return {"advantages": adv, "returns": ret}, _metrics(adv, ret, batch["response_mask"])
+    return _out(adv, ret, batch["response_mask"])
 
 
 class GRPO(Params):
-    norm_by_std: bool = Field(True, description="divide by the group's std (Dr. GRPO: false)")
+    norm_by_std: bool = Field(True, validation_alias=AliasChoices("norm_by_std", "norm_adv_by_std_in_grpo"),
+                              description="divide by the group's std (Dr. GRPO: false); "
+                                          "verl's name norm_adv_by_std_in_grpo is accepted")
     epsilon: float = Field(1e-6, gt=0)
 
 
 @operator("advantage.grpo", scope="group", node_name="advantage", params=GRPO, outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "uid": "object[B]"})
+          inputs=GROUPED)
 def grpo(batch, p: GRPO):
     """A_i = (r_i − mean(r_group)) / (std(r_group) + ε), broadcast over the response's tokens."""
     adv, ret = grpo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
                                p.norm_by_std, p.epsilon)
-    return {"advantages": adv, "returns": ret}, _metrics(adv, ret, batch["response_mask"])
+    return _out(adv, ret, batch["response_mask"])
+
+
+@operator("advantage.grpo_passk", scope="group", node_name="advantage", params=GRPO, outputs=OUT,
+          aux_outputs=("returns",), inputs=GROUPED)
+def grpo_passk(batch, p: GRPO):
+    """Only the best sample of each group learns: A = (r_max − r_second) / (std(r_group) + ε)."""
+    adv, ret = grpo_passk_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
+                                     p.norm_by_std, p.epsilon)
+    return _out(adv, ret, batch["response_mask"])
 
 
 @operator("advantage.rloo", scope="group", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "uid": "object[B]"})
+          inputs=GROUPED)
 def rloo(batch, p):
     """A_i = r_i − mean(r_j for the other samples j of the same prompt)."""
     adv, ret = rloo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
-    return {"advantages": adv, "returns": ret}, _metrics(adv, ret, batch["response_mask"])
+    return _out(adv, ret, batch["response_mask"])
+
+
+@operator("advantage.opo", scope="group", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
+          inputs=GROUPED)
+def opo(batch, p):
+    """A_i = r_i − Σ_j |y_j| r_j / Σ_j |y_j| over the group (length-weighted baseline)."""
+    adv, ret = opo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
+    return _out(adv, ret, batch["response_mask"])
+
+
+class GPG(Params):
+    f_norm: float = Field(1.0, gt=0, description="divide the centred score by this")
+
+
+@operator("advantage.gpg", scope="batch", node_name="advantage", params=GPG, outputs=OUT, aux_outputs=("returns",),
+          inputs=GROUPED)
+def gpg(batch, p: GPG):
+    """A_i = α (r_i − mean(r_group)) / f_norm, α = B / #(rows with a non-zero score)."""
+    adv, ret = gpg_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"], p.f_norm)
+    return _out(adv, ret, batch["response_mask"])
+
+
+@operator("advantage.gdpo", scope="batch", node_name="advantage", params=GRPO, outputs=OUT,
+          aux_outputs=("returns",), inputs=GROUPED)
+def gdpo(batch, p: GRPO):
+    """GRPO per reward component, summed, whitened over the batch (one component: the reward)."""
+    adv, ret = gdpo_advantages([batch["token_level_rewards"]], batch["response_mask"], batch["uid"],
+                               norm_by_std=p.norm_by_std, epsilon=p.epsilon)
+    return _out(adv, ret, batch["response_mask"])
 
 
 class ReinforcePP(Params):
     gamma: float = Field(1.0, ge=0, le=1, description="discount")
 
 
-@operator("advantage.reinforce_pp", scope="batch", node_name="advantage", params=ReinforcePP, outputs=OUT, aux_outputs=("returns",),
-          inputs=REWARDS)
+@operator("advantage.reinforce_pp", scope="batch", node_name="advantage", params=ReinforcePP, outputs=OUT,
+          aux_outputs=("returns",), inputs=REWARDS)
 def reinforce_pp(batch, p: ReinforcePP):
-    """G_t = r_t + γG_{t+1};  A = whiten(G) over the whole batch."""
+    """G_t = r_t + γG_{t+1} over valid tokens;  A = whiten(G) over the whole batch."""
     adv, ret = reinforce_pp_advantages(batch["token_level_rewards"], batch["response_mask"], p.gamma)
-    return {"advantages": adv, "returns": ret}, _metrics(adv, ret, batch["response_mask"])
+    return _out(adv, ret, batch["response_mask"])
+
+
+@operator("advantage.reinforce_pp_baseline", scope="batch", node_name="advantage", outputs=OUT,
+          aux_outputs=("returns",), inputs=GROUPED)
+def reinforce_pp_baseline(batch, p):
+    """A = whiten(r_i − mean(r_group)) over the whole batch."""
+    adv, ret = reinforce_pp_baseline_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
+    return _out(adv, ret, batch["response_mask"])
 
 
 @operator("advantage.remax", scope="row", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
@@ -78,4 +156,36 @@ def remax(batch, p):
     """A_t = Σ_{t'≥t} r_t' − b, with b the reward of the greedy response to the same prompt."""
     baseline = batch["reward_baselines"].sum(-1)  # the scalar score sits on one token
     adv, ret = remax_advantages(batch["token_level_rewards"], baseline, batch["response_mask"])
-    return {"advantages": adv, "returns": ret}, _metrics(adv, ret, batch["response_mask"])
+    return _out(adv, ret, batch["response_mask"])
+
+
+class OptimalTokenBaseline(Params):
+    handle_zero_tail: bool = Field(True, description="no baseline where only the longest sample has tokens")
+    epsilon: float = Field(1e-8, gt=0)
+
+
+OTB_INPUTS = {**GROUPED, "old_log_probs": "float32[B, R]", "sum_pi_squared": "float32[B, R]",
+              "rollout_is_weights": "float32[B, R]"}
+
+
+@operator("advantage.optimal_token_baseline", scope="group", node_name="advantage", params=OptimalTokenBaseline,
+          outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS, optional_inputs=("rollout_is_weights",))
+def optimal_token_baseline(batch, p: OptimalTokenBaseline):
+    """A_t = G_t − Σ_g G_t W_t / Σ_g W_t,  W_t = Σ_{j≤t} 1 − 2π_j + Σ_v π_v²  (per group and position)."""
+    adv, ret = optimal_token_baseline_advantages(
+        batch["token_level_rewards"], batch["response_mask"], batch["uid"], batch["old_log_probs"],
+        batch["sum_pi_squared"], batch["rollout_is_weights"] if "rollout_is_weights" in batch else None,
+        p.handle_zero_tail, p.epsilon)
+    return _out(adv, ret, batch["response_mask"])
+
+
+@operator("advantage.tir_optimal_token_baseline", scope="group", node_name="advantage",
+          params=OptimalTokenBaseline, outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS,
+          optional_inputs=("rollout_is_weights",))
+def tir_optimal_token_baseline(batch, p: OptimalTokenBaseline):
+    """The optimal token baseline over each response's valid (model) tokens, packed (multi-turn)."""
+    adv, ret = tir_optimal_token_baseline_advantages(
+        batch["token_level_rewards"], batch["response_mask"], batch["uid"], batch["old_log_probs"],
+        batch["sum_pi_squared"], batch["rollout_is_weights"] if "rollout_is_weights" in batch else None,
+        p.handle_zero_tail, p.epsilon)
+    return _out(adv, ret, batch["response_mask"])

@@ -6,6 +6,7 @@ import torch
 from pydantic import Field
 
 from flowrl.graph import Params, operator
+from operators.actor import AGG, agg_kwargs
 from operators.algos import value_loss
 from operators.logprob import SEQUENCE_IN
 from operators.models import response_values
@@ -23,7 +24,7 @@ def values(critic, batch, p):
 
 class CriticUpdate(Params):
     cliprange_value: float = Field(0.5, gt=0, description="clip new values to old ± this")
-    loss_agg_mode: str = Field("token-mean", pattern="^(token-mean|seq-mean-token-sum|seq-mean-token-mean)$")
+    loss_agg_mode: str = Field("token-mean", pattern=AGG)
     mini_batch_size: int | None = Field(None, ge=1, description="rows per optimizer step (default: all)")
     epochs: int = Field(1, ge=1)
     micro_batch_size: int | None = Field(None, ge=1, description="rows per forward pass (grad accumulation)")
@@ -36,11 +37,11 @@ class CriticUpdate(Params):
 def update(critic, batch, p: CriticUpdate):
     """L_V = ½ · max((V − R)², (clip(V, V_old ± ε) − R)²), aggregated over tokens."""
 
-    def loss_fn(mb):
+    def loss_fn(mb, norm=None):
         vpreds = response_values(critic.model, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
                                  mb["responses"].shape[1])
         loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                                    p.cliprange_value, p.loss_agg_mode)
+                                    p.cliprange_value, p.loss_agg_mode, **agg_kwargs(norm))
         return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac}
 
     m = critic.fit(batch, loss_fn, mini_batch_size=p.mini_batch_size, epochs=p.epochs,

@@ -203,8 +203,21 @@ def test_agg_loss_modes_by_hand():
     close(agg_loss(loss, mask, "token-mean"), (1 + 2 + 4) / 3)
     close(agg_loss(loss, mask, "seq-mean-token-sum"), ((1 + 2) + 4) / 2)
     close(agg_loss(loss, mask, "seq-mean-token-mean"), ((1 + 2) / 2 + 4 / 1) / 2)
+    close(agg_loss(loss, mask, "token-sum"), 1 + 2 + 4)
+    close(agg_loss(loss, mask, "seq-mean-token-sum-norm"), ((1 + 2) + 4) / 2 / 3)
     with pytest.raises(ValueError, match="unknown loss aggregation"):
-        agg_loss(loss, mask, "token-sum")
+        agg_loss(loss, mask, "token-max")
+
+
+def test_agg_loss_skips_fully_masked_rows_and_takes_a_global_normaliser():
+    loss = T([[1.0, 2.0], [4.0, 5.0], [7.0, 7.0]])
+    mask = T([[1, 1], [1, 0], [0, 0]])
+    close(agg_loss(loss, mask, "seq-mean-token-sum"), (3 + 4) / 2)          # the empty row is no sequence
+    close(agg_loss(loss, mask, "seq-mean-token-mean"), (1.5 + 4) / 2)
+    close(agg_loss(loss, mask, "token-mean", norm_tokens=10), 7 / 10)
+    close(agg_loss(loss, mask, "seq-mean-token-sum", norm_seqs=7), 7 / 7)
+    nan_under_mask = torch.where(mask.bool(), loss, torch.tensor(float("nan")))
+    close(agg_loss(nan_under_mask, mask, "token-mean"), 7 / 3)
 
 
 def test_ppo_policy_loss_by_hand():

@@ -12,12 +12,19 @@ Example (one GRPO update, cleanrl style)::
 from operators.algos.advantages import (
     GroupStats,
     gae_advantages,
+    gdpo_advantages,
+    gpg_advantages,
     group_ids,
     group_stats,
     grpo_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
+    optimal_token_baseline_advantages,
     reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
     remax_advantages,
     rloo_advantages,
+    tir_optimal_token_baseline_advantages,
 )
 from operators.algos.functional import (
     entropy_from_logits,
@@ -28,6 +35,7 @@ from operators.algos.functional import (
     masked_whiten,
 )
 from operators.algos.kl import (
+    KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     KLController,
@@ -37,19 +45,32 @@ from operators.algos.kl import (
 )
 from operators.algos.losses import (
     AGG_MODES,
+    POLICY_LOSSES,
     PolicyLoss,
+    PolicyLossParams,
     agg_loss,
     entropy_loss,
+    get_policy_loss,
     kl_loss,
     policy_loss,
+    register_policy_loss,
     value_loss,
+)
+from operators.algos.rollout_correction import (
+    RolloutCorrection,
+    mismatch_metrics,
+    rollout_correction,
 )
 
 __all__ = [
-    "GroupStats", "gae_advantages", "group_ids", "group_stats", "grpo_advantages",
-    "reinforce_pp_advantages", "remax_advantages", "rloo_advantages",
+    "GroupStats", "gae_advantages", "gdpo_advantages", "gpg_advantages", "group_ids", "group_stats",
+    "grpo_advantages", "grpo_passk_advantages", "opo_advantages", "optimal_token_baseline_advantages",
+    "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "remax_advantages", "rloo_advantages",
+    "tir_optimal_token_baseline_advantages",
     "entropy_from_logits", "logprobs_from_logits", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
-    "AdaptiveKLController", "FixedKLController", "KLController", "apply_kl_penalty", "build_kl_controller",
+    "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "KLController", "apply_kl_penalty", "build_kl_controller",
     "kl_penalty",
-    "AGG_MODES", "PolicyLoss", "agg_loss", "entropy_loss", "kl_loss", "policy_loss", "value_loss",
+    "AGG_MODES", "POLICY_LOSSES", "PolicyLoss", "PolicyLossParams", "agg_loss", "entropy_loss",
+    "get_policy_loss", "kl_loss", "policy_loss", "register_policy_loss", "value_loss",
+    "RolloutCorrection", "mismatch_metrics", "rollout_correction",
 ]

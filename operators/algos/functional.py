@@ -1,5 +1,8 @@
 """Token-level building blocks: log-probs and entropy from logits, masked statistics.
 
+Masked statistics read only what sits under a non-zero mask: a NaN or an inf
+in a padded position never reaches the result.
+
 Example::
 
     >>> logits = torch.tensor([[[0.0, 0.0]]])           # one token, two equally likely choices
@@ -7,6 +10,8 @@ Example::
     tensor([[-0.6931]])
     >>> entropy_from_logits(logits)
     tensor([[0.6931]])
+    >>> masked_mean(torch.tensor([1.0, 3.0, float("nan")]), torch.tensor([1, 1, 0]))
+    tensor(2.)
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """``Σ values·mask`` (over ``dim``, or everything)."""
-    return (values * mask).sum() if dim is None else (values * mask).sum(dim)
+    """``Σ values·mask`` (over ``dim``, or everything); positions where the mask is 0 are never read."""
+    valid = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)) * mask
+    return valid.sum() if dim is None else valid.sum(dim)
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -41,7 +47,8 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
         >>> masked_mean(torch.tensor([1.0, 2.0, 9.0]), torch.tensor([1, 1, 0]))
         tensor(1.5000)
     """
-    return masked_sum(values, mask, dim) / masked_sum(torch.ones_like(values), mask, dim).clamp(min=1e-8)
+    count = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(values, mask, dim) / count.clamp(min=1e-8)
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:

@@ -3,12 +3,17 @@
 Estimators of ``KL(π‖π_ref)`` from the sampled token's log-probs, with
 ``log r = ref_logprob - logprob`` (http://joschu.net/blog/kl-approx.html):
 
-==================  ===============================  ================================
-``k1`` / ``kl``     ``logprob - ref_logprob``         unbiased, high variance, can be < 0
-``abs``             ``|logprob - ref_logprob|``
-``k2`` / ``mse``    ``½ (logprob - ref_logprob)²``
-``k3`` / ``low_var_kl``  ``r - log r - 1``            unbiased, ≥ 0; clamped to [-10, 10]
-==================  ===============================  ================================
+=======================  ===============================  ================================
+``k1`` / ``kl``          ``logprob - ref_logprob``         unbiased, high variance, can be < 0
+``abs``                  ``|logprob - ref_logprob|``
+``k2`` / ``mse``         ``½ (logprob - ref_logprob)²``
+``k3`` / ``low_var_kl``  ``r - log r - 1``                 unbiased, ≥ 0; clamped to [-10, 10]
+=======================  ===============================  ================================
+
+A ``+`` suffix (``k1+``, ``abs+``, ``k3+``, ``low_var_kl+``...) keeps the value
+of the estimator but takes the gradient of ``k2`` (straight-through): k1's and
+k3's *values* estimate the KL without bias, their gradients do not; k2's
+gradient does. ``k2+`` is ``k2``. Names and values follow verl's ``kl_penalty``.
 
 Example::
 
@@ -26,11 +31,31 @@ import torch
 
 from operators.algos.functional import masked_mean
 
-KLEstimator = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl"]
+KLEstimator = Literal["k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
+                      "k1+", "kl+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+"]
+#: every estimator name :func:`kl_penalty` accepts
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl",
+                                  "k1+", "kl+", "abs+", "k2+", "mse+", "k3+", "low_var_kl+")
 
 
 def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: KLEstimator = "k1") -> torch.Tensor:
-    """Per-token KL estimate of the chosen ``kind`` (see the table above)."""
+    """Per-token KL estimate of the chosen ``kind`` (see the table above).
+
+    Example (``k3+``: k3's value, k2's gradient)::
+
+        >>> lp = torch.tensor([-1.0], requires_grad=True)
+        >>> kl = kl_penalty(lp, torch.tensor([-2.0]), "k3+")
+        >>> kl.backward(); round(float(kl), 4), float(lp.grad)      # d/dlp ½(lp - ref)² = 1
+        (0.3679, 1.0)
+    """
+    value = _kl_value(logprob, ref_logprob, kind.removesuffix("+"))
+    if not kind.endswith("+") or kind in ("k2+", "mse+"):
+        return value
+    surrogate = 0.5 * (logprob - ref_logprob).square()
+    return surrogate - surrogate.detach() + value.detach()
+
+
+def _kl_value(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str) -> torch.Tensor:
     if kind in ("k1", "kl"):
         return logprob - ref_logprob
     if kind == "abs":
@@ -40,7 +65,10 @@ def kl_penalty(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: KLEstimat
     if kind in ("k3", "low_var_kl"):
         log_ratio = (ref_logprob - logprob).clamp(-20, 20)  # exp() must not overflow
         return (log_ratio.exp() - log_ratio - 1).clamp(-10, 10)
-    raise ValueError(f"unknown KL estimator {kind!r}; use k1 (kl), abs, k2 (mse) or k3 (low_var_kl)")
+    raise ValueError(
+        f"unknown KL estimator {kind!r}; use k1 (kl), abs, k2 (mse) or k3 (low_var_kl), "
+        "optionally with a '+' suffix (straight-through k2 gradient)"
+    )
 
 
 class KLController(Protocol):
