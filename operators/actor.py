@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from flowrl.graph import Params, operator
@@ -88,21 +87,22 @@ def agg_kwargs(norm) -> dict[str, float]:
 def update(actor, batch, p: ActorUpdate):
     """L = policy_loss(ratio, A) − c_H · H(π) + β · KL(π ‖ π_ref), with ratio = exp(log π − log π_old).
 
-    With the sampler's ``rollout_log_probs`` in the batch, the train/inference
-    mismatch is reported every step (``actor/rollout_corr/*``), and TIS / MIS
-    correct π_old for it when asked.
+    The train/inference mismatch — this update's log-probs against the
+    sampler's (``rollout_log_probs``, or ``old_log_probs`` when the graph feeds
+    the sampler's log-probs in as π_old) — is reported every step
+    (``actor/rollout_corr/*``, averaged over the update's micro-batches). With a
+    separate π_old (``logprob.old``), TIS / MIS correct it for the sampler.
     """
     if p.use_kl_loss and "ref_log_prob" not in batch:
         raise ValueError("use_kl_loss needs ref_log_prob: add a logprob.ref node to the graph")
-    has_rollout = "rollout_log_probs" in batch
-    if (p.rollout_is or p.rollout_rs) and not has_rollout:
-        raise ValueError("rollout_is / rollout_rs need the sampler's rollout_log_probs; generate them with "
-                         "rollout.generate (they are on by default)")
-    if (p.rollout_is or p.rollout_rs) and torch.equal(batch["old_log_probs"], batch["rollout_log_probs"]):
+    # The sampler's log-probs: their own column when the graph computes π_old separately
+    # (logprob.old), else old_log_probs itself is the sampler's (bypass: old_log_probs ← rollout_log_probs).
+    behaviour = "rollout_log_probs" if "rollout_log_probs" in batch else "old_log_probs"
+    if (p.rollout_is or p.rollout_rs) and behaviour == "old_log_probs":
         raise ValueError(
-            "rollout_is / rollout_rs correct π_old for the sampler, but old_log_probs is rollout_log_probs here: "
-            "the PPO ratio π/π_rollout already carries (and clips) the mismatch. Add a logprob.old node "
-            "and drop the old_log_probs input mapping of update_actor")
+            "rollout_is / rollout_rs correct π_old for the sampler, but update_actor sees no separate "
+            "rollout_log_probs: with old_log_probs ← rollout_log_probs the PPO ratio π/π_rollout already carries "
+            "(and clips) the mismatch. Add a logprob.old node and drop update_actor's old_log_probs input mapping")
     loss_of = get_policy_loss(p.policy_loss)
     params = p.loss_params()
 
@@ -112,19 +112,16 @@ def update(actor, batch, p: ActorUpdate):
                                                with_entropy=True)
         mask = mb["response_mask"]
         agg = agg_kwargs(norm)
-        metrics = {}
         weights = None
-        if has_rollout:
-            if p.rollout_is or p.rollout_rs:
-                corr = rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask,
-                                          is_level=p.rollout_is, is_threshold=p.rollout_is_threshold,
-                                          rs_level=p.rollout_rs, rs_threshold=p.rollout_rs_threshold,
-                                          rs_threshold_lower=p.rollout_rs_threshold_lower)
-                weights, mask = corr.weights, corr.response_mask
-                metrics.update({k: v for k, v in corr.metrics.items() if "/is_" in k or "/rs_" in k})
-            # the gap between the policy being trained and the one that sampled, whatever corrects it
-            metrics.update(mismatch_metrics(log_prob, mb["rollout_log_probs"], mb["response_mask"],
-                                            p.rollout_is_threshold))
+        # the gap between the policy being trained and the one that sampled, whatever corrects it
+        metrics = mismatch_metrics(log_prob, mb[behaviour], mask, p.rollout_is_threshold)
+        if p.rollout_is or p.rollout_rs:
+            corr = rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask,
+                                      is_level=p.rollout_is, is_threshold=p.rollout_is_threshold,
+                                      rs_level=p.rollout_rs, rs_threshold=p.rollout_rs_threshold,
+                                      rs_threshold_lower=p.rollout_rs_threshold_lower)
+            weights, mask = corr.weights, corr.response_mask
+            metrics.update({k: v for k, v in corr.metrics.items() if "/is_" in k or "/rs_" in k})
         pg = loss_of(mb["old_log_probs"], log_prob, mb["advantages"], mask, p.loss_agg_mode, params,
                      weights, **agg)
         ent = entropy_loss(entropy, mask, p.loss_agg_mode, **agg)

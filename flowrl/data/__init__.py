@@ -2,6 +2,8 @@
 
 Imports nothing else from flowrl, and does not start (or import) Ray:
 :class:`DataProtoFuture` imports ray only when a future is resolved.
+``DataProto`` carries verl's whole API; the part flowrl never calls itself
+lives in :mod:`flowrl.data.verl_compat`.
 
 Example::
 
@@ -12,24 +14,15 @@ Example::
     []
 """
 
-from flowrl.data.fields import Field, FieldSpecError, field
-from flowrl.data.future import DataProtoFuture, resolve
-from flowrl.data.proto import (
-    AUTO_PADDING_KEY,
-    PADDING_SIZE_KEY,
-    DataProto,
-    DataProtoConfig,
+from flowrl.data.columns import (
     DataProtoError,
-    DataProtoItem,
-    collate_fn,
-    fold_batch_dim,
     list_of_dict_to_dict_of_list,
-    pad_dataproto_to_divisor,
-    unfold_batch_dim,
     union_numpy_dict,
     union_tensor_dict,
-    unpad_dataproto,
 )
+from flowrl.data.fields import Field, FieldSpecError, field
+from flowrl.data.future import DataProtoFuture, resolve
+from flowrl.data.proto import DataProto, collate_fn
 from flowrl.data.serialize import (
     deserialize_single_tensor,
     deserialize_tensordict,
@@ -38,6 +31,17 @@ from flowrl.data.serialize import (
     serialize_single_tensor,
     serialize_tensordict,
     set_readonly_policy,
+)
+from flowrl.data.verl_compat import (
+    AUTO_PADDING_KEY,
+    PADDING_SIZE_KEY,
+    DataProtoConfig,
+    DataProtoItem,
+    fold_batch_dim,
+    get_tensordict,
+    pad_dataproto_to_divisor,
+    unfold_batch_dim,
+    unpad_dataproto,
 )
 
 __all__ = [
@@ -56,6 +60,7 @@ __all__ = [
     "field",
     "fold_batch_dim",
     "get_readonly_policy",
+    "get_tensordict",
     "list_of_dict_to_dict_of_list",
     "pad_dataproto_to_divisor",
     "readonly_policy",

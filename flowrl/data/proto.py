@@ -8,12 +8,16 @@ A :class:`DataProto` holds
   ragged lists: anything that is not a tensor),
 * ``meta_info`` — a dict of batch-level values (temperature, metrics...).
 
-The API has verl's names and semantics (``verl/protocol.py``) so that verl code
-ports by changing the import; where verl asserts, flowrl raises a
-:class:`DataProtoError` that names the keys and sizes. Two deliberate
-differences: pickling is zero-copy (see :mod:`flowrl.data.serialize`), and a
-non-tensor column must be an object array (a fixed-width ``<U5`` string array
-silently truncates longer strings assigned into it).
+This module is the batch as flowrl's runtime and operators use it: building,
+checking, selecting, splitting, merging, repeating, read-only memory and
+pickling. The rest of verl's DataProto API, for code ported from verl, lives in
+:mod:`flowrl.data.verl_compat` (``DataProto`` inherits it). Names and semantics
+are verl's (``verl/protocol.py``); where verl asserts, flowrl raises a
+:class:`DataProtoError` (also an ``AssertionError``) that names the keys and
+sizes. Two deliberate differences: pickling is zero-copy (see
+:mod:`flowrl.data.serialize`), and a string column must be an object array (a
+fixed-width ``<U5`` array silently truncates longer strings assigned into it);
+numeric numpy columns are accepted.
 
 Example::
 
@@ -32,131 +36,58 @@ Example::
 from __future__ import annotations
 
 import copy
-import math
-import os
-import pickle
-from dataclasses import dataclass, field as dataclass_field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
+from flowrl.data.columns import (
+    DataProtoError,
+    batch_from as _batch_from,
+    describe as _describe,
+    list_of_dict_to_dict_of_list,
+    merge_tensors as _merge_tensors,
+    object_array as _object_array,
+    union_numpy_dict,
+    values_equal as _values_equal,
+)
 from flowrl.data.fields import Field
 from flowrl.data.serialize import _decode_tensordict, serialize_tensordict
+from flowrl.data.verl_compat import (
+    AUTO_PADDING_KEY,
+    PADDING_SIZE_KEY,
+    DataProtoItem,
+    VerlDataProtoAPI,
+    pad_dataproto_to_divisor,
+)
 
-__all__ = [
-    "DataProto",
-    "DataProtoItem",
-    "DataProtoError",
-    "DataProtoConfig",
-    "pad_dataproto_to_divisor",
-    "unpad_dataproto",
-    "union_tensor_dict",
-    "union_numpy_dict",
-    "fold_batch_dim",
-    "unfold_batch_dim",
-    "collate_fn",
-    "list_of_dict_to_dict_of_list",
-]
+__all__ = ["DataProto", "DataProtoError", "collate_fn"]
 
 Index = int | np.integer | slice | Sequence[int] | Sequence[bool] | np.ndarray | torch.Tensor | str
 
-#: meta_info key that turns auto padding on for one DataProto (set by ``auto_padding=True``)
-AUTO_PADDING_KEY = "_flowrl_auto_padding"
-#: meta_info key where :meth:`DataProto.chunk` records how many rows it padded
-PADDING_SIZE_KEY = "_flowrl_padding_size"
-
-
-class DataProtoError(ValueError):
-    """A DataProto was built or used inconsistently (sizes, keys, types)."""
-
-
-class _DataProtoConfigMeta(type):
-    _auto_padding = False
-
-    @property
-    def auto_padding(cls) -> bool:
-        by_env = os.getenv("FLOWRL_AUTO_PADDING", "false").lower() in ("1", "true")
-        return by_env or cls._auto_padding
-
-    @auto_padding.setter
-    def auto_padding(cls, enabled: bool) -> None:
-        if not isinstance(enabled, bool):
-            raise DataProtoError(f"DataProtoConfig.auto_padding must be a bool, got {enabled!r}")
-        cls._auto_padding = enabled
-
-
-class DataProtoConfig(metaclass=_DataProtoConfigMeta):
-    """Process-wide switches. ``DataProtoConfig.auto_padding = True`` (or the
-    env ``FLOWRL_AUTO_PADDING=1``) lets :meth:`DataProto.chunk` pad every batch."""
-
 
 # ---------------------------------------------------------------------- helpers
-def _object_array(values: Iterable[Any], n: int | None = None) -> np.ndarray:
-    """A 1-D object array with one element per value (lists stay elements, never a 2nd dim)."""
-    if n is None:
-        values = list(values)
-        n = len(values)
-    return np.fromiter(values, dtype=object, count=n)
+#: numpy dtype kinds a non-tensor column may have: objects, and numbers (verl's
+#: multi-turn code keeps ``num_turns`` as int32). Fixed-width strings are refused.
+_COLUMN_KINDS = frozenset("Obiufc")
 
 
-def _values_equal(a: Any, b: Any) -> bool:
-    """Deep equality for meta values and object-array elements; NaN equals NaN."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _tensors_equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not (isinstance(a, np.ndarray) and isinstance(b, np.ndarray)):
-            return False
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return False
-        if a.dtype == object:
-            return all(_values_equal(x, y) for x, y in zip(a.flat, b.flat))
-        return bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_values_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_values_equal(x, y) for x, y in zip(a, b))
-    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return bool(a == b)
-
-
-def _tensors_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    # The same view of the same memory is equal without reading it: the common
-    # case when two branches of a graph carry an input column back.
-    if (
-        a.device == b.device
-        and a.data_ptr() == b.data_ptr()
-        and a.stride() == b.stride()
-    ):
-        return True
-    return bool(torch.equal(a, b.to(a.device)))
-
-
-_OBJECT = np.dtype(object)
-
-
-def _non_tensor_problem(key: str, value: Any) -> str:
-    """Why ``value`` cannot be the non-tensor column ``key``."""
-    if not isinstance(value, np.ndarray):
+def _non_tensor_problem(key: str, value: Any) -> str | None:
+    """Why ``value`` cannot be the non-tensor column ``key`` (None when it can)."""
+    if type(value) is not np.ndarray:
         return (
             f"non_tensor_batch[{key!r}] is a {type(value).__name__}; non-tensor columns must be numpy "
             f"object arrays: np.array(values, dtype=object)"
         )
-    if value.dtype != _OBJECT:
+    if value.dtype.kind not in _COLUMN_KINDS:
         return (
-            f"non_tensor_batch[{key!r}] has dtype {value.dtype}; non-tensor columns must have dtype=object "
-            f"(a fixed-width array truncates or coerces values assigned into it). Use "
-            f"value.astype(object), or put numeric data in batch as a tensor (torch.from_numpy(value))"
+            f"non_tensor_batch[{key!r}] has dtype {value.dtype}; a string column must have dtype=object "
+            f"(a fixed-width array truncates or coerces values assigned into it). Use value.astype(object)"
         )
-    return f"non_tensor_batch[{key!r}] is 0-dimensional; a column needs one row per sample"
+    if value.ndim == 0:
+        return f"non_tensor_batch[{key!r}] is 0-dimensional; a column needs one row per sample"
+    return None
 
 
 def _tensors_problem(tensors: dict[str, Any]) -> str | None:
@@ -175,14 +106,6 @@ def _tensors_problem(tensors: dict[str, Any]) -> str | None:
                 f"{tensors[pivot].shape[0]} rows, {key!r} has {tensor.shape[0]}"
             )
     return None
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
-    if isinstance(value, np.ndarray):
-        return f"ndarray {value.dtype}{list(value.shape)}"
-    return type(value).__name__
 
 
 def _as_index(idxs: Any, n: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -214,62 +137,13 @@ def _as_index(idxs: Any, n: int) -> tuple[torch.Tensor, np.ndarray]:
     return idx, idx.numpy()
 
 
-def _dataloader_epoch_order(n: int, shuffle: bool, generator: torch.Generator | None) -> torch.Tensor | None:
-    """One epoch's row order, drawn as ``DataLoader(shuffle=shuffle, generator=generator)`` draws it.
-
-    The DataLoader's iterator first draws a base seed from ``generator`` (the
-    global RNG when None); ``RandomSampler`` then draws its permutation, and one
-    more (for the ``num_samples % n == 0`` remainder) when the epoch is read to
-    its end. Drawing the same keeps a ported verl run's mini-batches — and its
-    RNG state — identical.
-    """
-    torch.empty((), dtype=torch.int64).random_(generator=generator)
-    if not shuffle:
-        return None
-    if generator is None:
-        seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(n, generator=generator)
-    torch.randperm(n, generator=generator)  # the sampler's empty remainder draw
-    return order
-
-
 def _take(value: Any, idx: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor) and not value.is_nested:
         return torch.index_select(value, 0, idx.to(value.device))
     return value[idx]
 
 
-def _batch_from(tensors: dict[str, Any], n: int, like: TensorDict | None) -> TensorDict:
-    return TensorDict(tensors, batch_size=[n], device=like.device if like is not None else None)
-
-
-def list_of_dict_to_dict_of_list(list_of_dict: list[dict]) -> dict[str, list]:
-    """``[{"a": 1}, {"a": 2}]`` → ``{"a": [1, 2]}``; every dict must have the first one's keys."""
-    if not list_of_dict:
-        return {}
-    keys = list(list_of_dict[0])
-    out: dict[str, list] = {k: [] for k in keys}
-    for i, d in enumerate(list_of_dict):
-        if d.keys() != out.keys():
-            raise DataProtoError(
-                f"item {i} has keys {sorted(d)} but item 0 has {sorted(keys)}; every item needs the same keys"
-            )
-        for k, v in d.items():
-            out[k].append(v)
-    return out
-
-
 # ---------------------------------------------------------------------- items
-@dataclass
-class DataProtoItem:
-    """One row of a DataProto (what ``dp[i]`` returns, as in verl)."""
-
-    batch: TensorDict | None = None
-    non_tensor_batch: dict = dataclass_field(default_factory=dict)
-    meta_info: dict = dataclass_field(default_factory=dict)
-
-
 def collate_fn(items: list[DataProtoItem]) -> DataProto:
     """Stack rows back into a DataProto (the DataLoader ``collate_fn`` verl uses).
 
@@ -288,7 +162,7 @@ def collate_fn(items: list[DataProtoItem]) -> DataProto:
 
 
 # ---------------------------------------------------------------------- proto
-class DataProto:
+class DataProto(VerlDataProtoAPI):
     """A batch: tensors (``batch``), object columns (``non_tensor_batch``), ``meta_info``.
 
     Build one with :meth:`from_dict` / :meth:`from_single_dict`; every
@@ -351,34 +225,6 @@ class DataProto:
 
     # ------------------------------------------------------------ build
     @classmethod
-    def from_single_dict(
-        cls,
-        data: dict[str, torch.Tensor | np.ndarray],
-        meta_info: dict[str, Any] | None = None,
-        auto_padding: bool = False,
-    ) -> DataProto:
-        """Tensors go to ``batch``, numpy arrays to ``non_tensor_batch``.
-
-        Example::
-
-            >>> dp = DataProto.from_single_dict({"x": torch.zeros(2, 3), "uid": np.array(["a", "b"], dtype=object)})
-            >>> list(dp.batch.keys()), list(dp.non_tensor_batch)
-            (['x'], ['uid'])
-        """
-        tensors, non_tensors = {}, {}
-        for key, value in data.items():
-            if isinstance(value, torch.Tensor):
-                tensors[key] = value
-            elif isinstance(value, np.ndarray):
-                non_tensors[key] = value
-            else:
-                raise DataProtoError(
-                    f"from_single_dict: {key!r} is a {type(value).__name__}; pass a torch.Tensor "
-                    f"(a batch column) or a numpy array (np.array(values, dtype=object) for a non-tensor column)"
-                )
-        return cls.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta_info, auto_padding=auto_padding)
-
-    @classmethod
     def from_dict(
         cls,
         tensors: dict[str, torch.Tensor] | None = None,
@@ -418,55 +264,6 @@ class DataProto:
             meta_info[AUTO_PADDING_KEY] = True
         return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=meta_info)
 
-    @classmethod
-    def from_tensordict(
-        cls,
-        tensor_dict: TensorDict,
-        meta_info: dict[str, Any] | None = None,
-        num_batch_dims: int = 1,
-    ) -> DataProto:
-        """Inverse of :meth:`to_tensordict`: tensors → batch, ``NonTensorStack`` →
-        object columns, ``NonTensorData`` → meta_info.
-
-        Example::
-
-            >>> dp = DataProto.from_dict({"x": torch.arange(2)}, {"uid": ["a", "b"]}, {"t": 1.0})
-            >>> back = DataProto.from_tensordict(dp.to_tensordict())
-            >>> back.non_tensor_batch["uid"].tolist(), back.meta_info
-            (['a', 'b'], {'t': 1.0})
-        """
-        if num_batch_dims != 1:
-            raise DataProtoError(f"from_tensordict: num_batch_dims={num_batch_dims} is not supported; use 1")
-        meta = dict(meta_info or {})
-        tensors: dict[str, torch.Tensor] = {}
-        non_tensors: dict[str, np.ndarray] = {}
-        for key, value in tensor_dict.items():
-            if isinstance(value, torch.Tensor):
-                tensors[key] = value
-            elif isinstance(value, NonTensorStack):
-                rows = value.tolist()
-                non_tensors[key] = _object_array(rows, len(rows))
-            elif isinstance(value, NonTensorData):
-                meta[key] = value.data
-            else:
-                raise DataProtoError(f"from_tensordict: {key!r} is a {type(value).__name__}; expected a tensor, NonTensorStack or NonTensorData")
-        batch = TensorDict(tensors, batch_size=tensor_dict.batch_size[:1]) if tensors else None
-        return cls(batch=batch, non_tensor_batch=non_tensors, meta_info=meta)
-
-    def to_tensordict(self) -> TensorDict:
-        """One TensorDict: tensors, each object column as a ``NonTensorStack``,
-        each meta value as ``NonTensorData`` (verl's layout)."""
-        items: dict[str, Any] = {} if self.batch is None else dict(self.batch.items())
-        for key, column in self.non_tensor_batch.items():
-            if key in items:
-                raise DataProtoError(f"to_tensordict: {key!r} is both a tensor and a non-tensor column; rename one")
-            items[key] = NonTensorStack.from_list([NonTensorData(v) for v in column])
-        for key, value in self.meta_info.items():
-            if key in items:
-                raise DataProtoError(f"to_tensordict: meta_info key {key!r} collides with a column; rename one")
-            items[key] = NonTensorData(value)
-        return TensorDict(items, batch_size=[len(self)])
-
     # ------------------------------------------------------------ checks
     def check_consistency(self) -> None:
         """Raise :class:`DataProtoError` unless every column has the same number of rows,
@@ -501,8 +298,9 @@ class DataProto:
         if type(self.meta_info) is not dict and not isinstance(self.meta_info, dict):
             raise DataProtoError(f"meta_info must be a dict, got {type(self.meta_info).__name__}")
         for key, value in non_tensor.items():
-            if type(value) is not np.ndarray or value.dtype != _OBJECT or value.ndim == 0:
-                raise DataProtoError(_non_tensor_problem(key, value))
+            problem = _non_tensor_problem(key, value)
+            if problem:
+                raise DataProtoError(problem)
             if rows is None:
                 rows, pivot = value.shape[0], f"non_tensor_batch[{key!r}]"
             elif value.shape[0] != rows:
@@ -649,17 +447,6 @@ class DataProto:
         if self.readonly_keys:
             lines.append(f"  read-only (call to_writable()): {', '.join(self.readonly_keys)}")
         return "\n".join(lines) + ")"
-
-    def get_data_info(self) -> str:
-        """A readable summary of columns and meta types (verl's name for :func:`repr`)."""
-        return repr(self)
-
-    def print_size(self, prefix: str = "") -> None:
-        """Print the tensor and non-tensor sizes in GiB (verl's debugging helper)."""
-        tensors = 0 if self.batch is None else sum(t.numel() * t.element_size() for t in self.batch.values(True, True))
-        arrays = sum(a.nbytes for a in self.non_tensor_batch.values())
-        message = f"Size of tensordict: {tensors / 1024**3} GB, size of non_tensor_batch: {arrays / 1024**3} GB"
-        print(f"{prefix}, {message}" if prefix else message)
 
     def to(self, device: torch.device | str) -> DataProto:
         """Move the tensors to ``device`` in place; returns ``self``."""
@@ -854,18 +641,6 @@ class DataProto:
         return self
 
     # ------------------------------------------------------------ split & merge
-    def is_padding_enabled(self) -> bool:
-        """Whether :meth:`chunk` may pad (``auto_padding=True`` at build time, or DataProtoConfig)."""
-        return bool(self.meta_info.get(AUTO_PADDING_KEY, False)) or DataProtoConfig.auto_padding
-
-    def padding(self, padding_size: int, padding_candidate: str = "") -> None:
-        """Append ``padding_size`` copies of the first (``"first"``) or last row, in place."""
-        if padding_size == 0:
-            return
-        row = self.select_idxs([0 if padding_candidate == "first" else len(self) - 1])
-        padded = DataProto.concat([self, row.repeat(padding_size)])
-        self.batch, self.non_tensor_batch = padded.batch, padded.non_tensor_batch
-
     def chunk(self, chunks: int) -> list[DataProto]:
         """Split into ``chunks`` equal parts (views; meta_info is shared).
 
@@ -969,19 +744,16 @@ class DataProto:
                     if value is not None:
                         metrics.extend(value if isinstance(value, list) else [value])
                 elif key in meta and not _values_equal(meta[key], value):
-                    raise DataProtoError(f"concat: meta_info[{key!r}] differs between parts: {meta[key]!r} vs {value!r}")
+                    raise DataProtoError(
+                        f"concat: meta_info[{key!r}] differs between parts: {meta[key]!r} vs {value!r} "
+                        f"(Conflicting values for meta_info key {key!r}); make the parts agree or pop it"
+                    )
                 else:
                     meta[key] = value
         if metrics:
             meta["metrics"] = list_of_dict_to_dict_of_list(metrics) if isinstance(metrics[0], dict) else metrics
         cls = type(first)
         return cls(batch=batch, non_tensor_batch=non_tensor, meta_info=meta)
-
-    def reorder(self, indices: torch.Tensor | np.ndarray | Sequence[int]) -> None:
-        """Permute the rows in place: row ``i`` becomes old row ``indices[i]``."""
-        reordered = self.select_idxs(indices)
-        self.batch, self.non_tensor_batch = reordered.batch, reordered.non_tensor_batch
-        self._readonly = frozenset()
 
     def repeat(self, repeat_times: int = 2, interleave: bool = True) -> DataProto:
         """Each row ``repeat_times`` times: ``aabb`` (interleave) or ``abab`` (tiled).
@@ -1010,82 +782,6 @@ class DataProto:
         else:
             non_tensor = {k: np.tile(v, (repeat_times,) + (1,) * (v.ndim - 1)) for k, v in self.non_tensor_batch.items()}
         return self._derive(batch, non_tensor, self.meta_info, readonly=frozenset())
-
-    def sample_level_repeat(self, repeat_times: Sequence[int] | np.ndarray | torch.Tensor) -> DataProto:
-        """Row ``i`` repeated ``repeat_times[i]`` times (interleaved).
-
-        Example::
-
-            >>> DataProto.from_dict({"x": torch.tensor([7, 8, 9])}).sample_level_repeat([2, 0, 1]).batch["x"].tolist()
-            [7, 7, 9]
-        """
-        counts = torch.as_tensor(
-            repeat_times.tolist() if isinstance(repeat_times, (np.ndarray, torch.Tensor)) else list(repeat_times),
-            dtype=torch.int64,
-        )
-        if counts.dim() != 1 or counts.numel() != len(self):
-            raise DataProtoError(
-                f"sample_level_repeat: need one count per row ({len(self)}), got shape {list(counts.shape)}"
-            )
-        if counts.numel() and int(counts.min()) < 0:
-            raise DataProtoError(f"sample_level_repeat: counts must be >= 0, got {counts.tolist()}")
-        total = int(counts.sum())
-        batch = None
-        if self.batch is not None:
-            batch = _batch_from(
-                {k: v.repeat_interleave(counts.to(v.device), dim=0) for k, v in self.batch.items()}, total, self.batch
-            )
-        counts_np = counts.numpy()
-        non_tensor = {k: np.repeat(v, counts_np, axis=0) for k, v in self.non_tensor_batch.items()}
-        return self._derive(batch, non_tensor, self.meta_info, readonly=frozenset())
-
-    def make_iterator(
-        self,
-        mini_batch_size: int,
-        epochs: int,
-        seed: int | None = None,
-        dataloader_kwargs: dict[str, Any] | None = None,
-    ) -> Iterator[DataProto]:
-        """Mini-batches of ``mini_batch_size`` rows, ``epochs`` times over (verl's PPO loop).
-
-        ``dataloader_kwargs={"shuffle": True}`` permutes the rows each epoch
-        with a generator seeded by ``seed``, drawing exactly what verl's
-        ``DataLoader`` draws (same mini-batches for the same seed); other
-        DataLoader options that do not change the rows (``num_workers``,
-        ``pin_memory``...) are accepted and ignored.
-
-        Example::
-
-            >>> it = DataProto.from_dict({"x": torch.arange(4)}).make_iterator(mini_batch_size=2, epochs=2)
-            >>> [mb.batch["x"].tolist() for mb in it]
-            [[0, 1], [2, 3], [0, 1], [2, 3]]
-        """
-        n = len(self)
-        if mini_batch_size < 1 or n % mini_batch_size:
-            raise DataProtoError(
-                f"make_iterator: {n} rows do not split into mini-batches of {mini_batch_size}; "
-                f"pick a mini_batch_size that divides {n}"
-            )
-        options = dict(dataloader_kwargs or {})
-        shuffle = bool(options.pop("shuffle", False))
-        ignored = {"num_workers", "pin_memory", "drop_last", "persistent_workers", "prefetch_factor", "timeout"}
-        unknown = sorted(set(options) - ignored)
-        if unknown:
-            raise DataProtoError(f"make_iterator: unsupported dataloader_kwargs {unknown}; supported: shuffle, {sorted(ignored)}")
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-
-        def batches() -> Iterator[DataProto]:
-            for _ in range(epochs):
-                order = _dataloader_epoch_order(n, shuffle, generator)
-                for start in range(0, n, mini_batch_size):
-                    if order is None:
-                        part = self.slice(start, start + mini_batch_size)
-                    else:
-                        part = self.select_idxs(order[start : start + mini_batch_size])
-                    part.meta_info = self.meta_info
-                    yield part
-
-        return batches()
 
     # ------------------------------------------------------------ read-only memory
     @property
@@ -1133,30 +829,6 @@ class DataProto:
             meta_info=copy.deepcopy(self.meta_info, memo),
         )
 
-    def save_to_disk(self, filepath: str | os.PathLike) -> None:
-        """Pickle to ``filepath`` (protocol 5: tensor bytes are written straight from memory)."""
-        with open(filepath, "wb") as f:
-            pickle.dump(self, f, protocol=5)
-
-    @staticmethod
-    def load_from_disk(filepath: str | os.PathLike) -> DataProto:
-        """Load what :meth:`save_to_disk` wrote.
-
-        Example::
-
-            >>> import tempfile, os
-            >>> path = os.path.join(tempfile.mkdtemp(), "b.pkl")
-            >>> DataProto.from_dict({"x": torch.arange(3)}).save_to_disk(path)
-            >>> DataProto.load_from_disk(path).batch["x"].tolist()
-            [0, 1, 2]
-        """
-        with open(filepath, "rb") as f:
-            data = pickle.load(f)
-        if not isinstance(data, DataProto):
-            raise DataProtoError(f"{os.fspath(filepath)} holds a {type(data).__name__}, not a DataProto")
-        return data
-
-
 def _rebuild_dataproto(cls: type, batch: Any, non_tensor_batch: dict, meta_info: dict) -> DataProto:
     readonly: set[int] = set()
     td = None
@@ -1169,136 +841,3 @@ def _rebuild_dataproto(cls: type, batch: Any, non_tensor_batch: dict, meta_info:
 
 
 # ---------------------------------------------------------------------- module helpers
-def pad_dataproto_to_divisor(data: DataProto, size_divisor: int) -> tuple[DataProto, int]:
-    """Pad ``data`` with its own leading rows until its length divides ``size_divisor``.
-
-    Returns the padded DataProto (``data`` itself when no padding is needed)
-    and the number of rows added.
-
-    Example::
-
-        >>> padded, pad = pad_dataproto_to_divisor(DataProto.from_dict({"x": torch.arange(3)}), 4)
-        >>> padded.batch["x"].tolist(), pad
-        ([0, 1, 2, 0], 1)
-    """
-    if size_divisor < 1:
-        raise DataProtoError(f"pad_dataproto_to_divisor: size_divisor must be >= 1, got {size_divisor}")
-    n = len(data)
-    if n % size_divisor == 0:
-        return data, 0
-    if n == 0:
-        raise DataProtoError("pad_dataproto_to_divisor: cannot pad an empty DataProto (no row to repeat)")
-    pad = size_divisor - n % size_divisor
-    parts = [data]
-    remaining = pad
-    while remaining > 0:
-        take = min(remaining, n)
-        parts.append(data.slice(0, take))
-        remaining -= take
-    return DataProto.concat(parts), pad
-
-
-def unpad_dataproto(data: DataProto, pad_size: int | None = None) -> DataProto:
-    """Drop the last ``pad_size`` rows; with ``pad_size=None`` read (and remove) the
-    count :meth:`DataProto.chunk` recorded in ``meta_info[PADDING_SIZE_KEY]``."""
-    if pad_size is None:
-        pad_size = int(data.meta_info.get(PADDING_SIZE_KEY, 0))
-        if PADDING_SIZE_KEY in data.meta_info:
-            data.meta_info = {k: v for k, v in data.meta_info.items() if k != PADDING_SIZE_KEY}
-    if pad_size:
-        data = data.slice(0, len(data) - pad_size)
-    return data
-
-
-def union_tensor_dict(tensor_dict1: TensorDict, tensor_dict2: TensorDict) -> TensorDict:
-    """Add ``tensor_dict2``'s tensors to ``tensor_dict1`` (in place; returns it).
-
-    A key in both must hold equal tensors (checked without reading memory when
-    both are the same view), else :class:`DataProtoError` naming the key.
-
-    Example::
-
-        >>> td = TensorDict({"a": torch.zeros(2)}, batch_size=[2])
-        >>> sorted(union_tensor_dict(td, TensorDict({"b": torch.ones(2)}, batch_size=[2])).keys())
-        ['a', 'b']
-    """
-    if tensor_dict1.batch_size != tensor_dict2.batch_size:
-        raise DataProtoError(
-            f"union: batch sizes differ: {list(tensor_dict1.batch_size)} vs {list(tensor_dict2.batch_size)}"
-        )
-    _merge_tensors(tensor_dict1, set(tensor_dict1.keys()), dict(tensor_dict2.items()))
-    return tensor_dict1
-
-
-def _merge_tensors(target: TensorDict, target_keys: set[str], extra: dict[str, Any]) -> None:
-    """Add ``extra`` to ``target`` in place; a shared key must hold an equal tensor."""
-    new = {}
-    for key, value in extra.items():
-        if key not in target_keys:
-            new[key] = value
-        elif not _tensors_equal(target[key], value):
-            raise DataProtoError(
-                f"union: column {key!r} differs between the two batches "
-                f"({_describe(target[key])} vs {_describe(value)}); rename or pop one before union"
-            )
-    if new:
-        target.update(new)
-
-
-def union_numpy_dict(tensor_dict1: dict[str, np.ndarray], tensor_dict2: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Add ``tensor_dict2``'s arrays to ``tensor_dict1`` (in place; returns it).
-
-    A key in both must hold deeply equal arrays (NaN equals NaN), else
-    :class:`DataProtoError` naming the key.
-    """
-    for key, value in tensor_dict2.items():
-        if key in tensor_dict1 and not _values_equal(tensor_dict1[key], value):
-            raise DataProtoError(
-                f"union: non-tensor column {key!r} differs between the two batches; rename or pop one before union"
-            )
-        tensor_dict1[key] = value
-    return tensor_dict1
-
-
-def fold_batch_dim(data: DataProto, new_batch_size: int) -> DataProto:
-    """View ``[B, ...]`` columns as ``[new_batch_size, B // new_batch_size, ...]``.
-
-    Example::
-
-        >>> folded = fold_batch_dim(DataProto.from_dict({"x": torch.arange(6)}), 2)
-        >>> len(folded), folded.batch["x"].tolist()
-        (2, [[0, 1, 2], [3, 4, 5]])
-    """
-    n = len(data)
-    if new_batch_size < 1 or n % new_batch_size:
-        raise DataProtoError(f"fold_batch_dim: {n} rows do not fold into {new_batch_size} groups; pick a divisor of {n}")
-    per = n // new_batch_size
-    batch = None
-    if data.batch is not None:
-        batch = _batch_from(
-            {k: v.reshape(new_batch_size, per, *v.shape[1:]) for k, v in data.batch.items()}, new_batch_size, data.batch
-        )
-    non_tensor = {k: v.reshape(new_batch_size, per, *v.shape[1:]) for k, v in data.non_tensor_batch.items()}
-    return data._derive(batch, non_tensor, data.meta_info)
-
-
-def unfold_batch_dim(data: DataProto, batch_dims: int = 2) -> DataProto:
-    """Inverse of :func:`fold_batch_dim`: merge the first ``batch_dims`` dims into the batch.
-
-    Example::
-
-        >>> folded = fold_batch_dim(DataProto.from_dict({"x": torch.arange(6)}), 3)
-        >>> unfold_batch_dim(folded).batch["x"].tolist()
-        [0, 1, 2, 3, 4, 5]
-    """
-    columns: dict[str, Any] = {} if data.batch is None else dict(data.batch.items())
-    columns.update(data.non_tensor_batch)
-    lead = {k: tuple(v.shape[:batch_dims]) for k, v in columns.items()}
-    if len(set(lead.values())) > 1:
-        raise DataProtoError(f"unfold_batch_dim: columns disagree on their first {batch_dims} dims: {lead}")
-    n = math.prod(next(iter(lead.values()))) if lead else 0
-    batch = None
-    if data.batch is not None:
-        batch = _batch_from({k: v.reshape(n, *v.shape[batch_dims:]) for k, v in data.batch.items()}, n, data.batch)
-    non_tensor = {k: v.reshape(n, *v.shape[batch_dims:]) for k, v in data.non_tensor_batch.items()}
-    return data._derive(batch, non_tensor, data.meta_info)
