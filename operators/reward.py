@@ -11,12 +11,14 @@ from pydantic import Field
 
 from flowrl.graph import Params, operator
 from operators.models import load_tokenizer
-from operators.rewards import compute_scores, place_at_last_token
+from operators.rewards import compute_scores, extra_metrics, place_at_last_token
 
 
 class Rule(Params):
     fn: str = Field("auto", description="auto (by data_source), a task name, gsm8k, exact, partial, "
                                         "or pkg.mod:fn / file.py:fn with verl's compute_score signature")
+    batched: bool = Field(False, description="call fn once per batch: fn(data_sources=, solution_strs=, "
+                                             "ground_truths=, extra_infos=) -> one float or dict per response")
 
 
 @lru_cache(maxsize=4)
@@ -25,19 +27,25 @@ def tokenizer_for(spec: str):
 
 
 @operator(
-    "reward.rule", scope="row", node_name="reward", params=Rule,
+    "reward.rule", scope="row", node_name="reward", params=Rule, optional_inputs=("reward_style",),
     inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "data_source": "object[B]",
-            "ground_truth": "object[B]", "extra_info": "object[B]", "tokenizer": "meta"},
+            "ground_truth": "object[B]", "extra_info": "object[B]", "reward_style": "object[B]",
+            "tokenizer": "meta"},
     outputs={"token_level_scores": "float32[B, R]"},
 )
 def rule(batch, p: Rule):
-    """score_i = fn(response_i, ground_truth_i), placed on the last response token."""
-    scores, _ = compute_scores(
+    """score_i = fn(response_i, ground_truth_i), placed on the last response token.
+
+    A dict result's other numeric keys become ``reward/<key>/mean`` metrics.
+    """
+    scores, extras = compute_scores(
         batch["responses"], batch["response_mask"], data_source=batch["data_source"],
         ground_truth=batch["ground_truth"], extra_info=batch["extra_info"],
-        tokenizer=tokenizer_for(batch.meta_info["tokenizer"]), fn=p.fn,
+        tokenizer=tokenizer_for(batch.meta_info["tokenizer"]), fn=p.fn, batched=p.batched,
+        reward_style=batch["reward_style"] if "reward_style" in batch else None,
     )
-    metrics = {"reward/mean": scores.mean(), "reward/max": scores.max(), "reward/min": scores.min()}
+    metrics = {"reward/mean": scores.mean(), "reward/max": scores.max(), "reward/min": scores.min(),
+               **extra_metrics(extras)}
     return {"token_level_scores": place_at_last_token(scores, batch["response_mask"])}, metrics
 
 

@@ -29,6 +29,7 @@ PROMPT_FIELDS = {
     "data_source": "object[B]",
     "ground_truth": "object[B]",
     "extra_info": "object[B]",
+    "reward_style": "object[B]",
     "uid": "object[B]",
     "tokenizer": "meta",
 }
@@ -83,7 +84,7 @@ class PromptSource:
         return DataProto.from_dict(
             tensors={"prompts": b["input_ids"], "prompt_mask": b["attention_mask"]},
             non_tensors={"data_source": b["data_source"], "ground_truth": b["ground_truth"],
-                         "extra_info": b["extra_info"], "uid": uid},
+                         "extra_info": b["extra_info"], "reward_style": b["reward_style"], "uid": uid},
             meta_info={"tokenizer": self.tokenizer_spec},
         )
 

@@ -4,9 +4,10 @@ The sampler's log-probs (``rollout_log_probs``) and the trainer's log-probs of
 the same tokens differ — another engine, another precision, or (with
 ``staleness ≥ 1``) older weights. With ``log ρ = log π_train - log π_rollout``:
 
-* :func:`mismatch_metrics` reports the gap every step: the mean absolute
-  log-prob difference, the KL ``KL(π_rollout ‖ π_train)`` (k1 and k3), the
-  token-level χ² and the share of tokens whose ρ lies outside ``[1/C, C]``.
+* :func:`mismatch_metrics` reports the gap every step: the mean and largest
+  absolute log-prob difference, the KL ``KL(π_rollout ‖ π_train)`` (k1 and
+  k3), the token-level χ², the largest ratio ρ and the share of tokens whose ρ
+  lies outside ``[1/C, C]``.
 * **TIS** (truncated importance sampling; ``is_level="token"`` or
   ``"sequence"``) weights each token's loss by ``sg(min(ρ, C))`` — the token's
   own ratio, or the product over its sequence.
@@ -58,6 +59,8 @@ def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     return {
         "rollout_corr/log_prob_abs_diff": float(masked_mean(log_ratio.abs(), response_mask)),
         "rollout_corr/log_prob_diff_max": float(masked_max(log_ratio.abs(), response_mask)),
+        # the largest weight π_train/π_rollout uncorrected importance sampling would apply
+        "rollout_corr/ratio_max": float(masked_max(safe.exp(), response_mask)),
         "rollout_corr/kl": float(masked_mean(-log_ratio, response_mask)),
         "rollout_corr/k3_kl": float(masked_mean(safe.exp() - safe - 1, response_mask)),
         "rollout_corr/chi2_token": float(masked_mean(safe.exp().square(), response_mask) - 1.0),

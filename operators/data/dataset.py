@@ -17,6 +17,7 @@ A batch (from :meth:`PromptDataset.collate`) is a plain dict:
 ``data_source``    ``object[B]``                e.g. ``"builtin:copy"``, ``"openai/gsm8k"``
 ``ground_truth``   ``object[B]``                ``reward_model["ground_truth"]``
 ``extra_info``     ``object[B]``                dicts
+``reward_style``   ``object[B]``                ``reward_model.get("style", "rule")``
 ``tools_kwargs``   ``object[B]``                ``extra_info.get("tools_kwargs", {})``
 ``index``          ``int64[B]`` (numpy)         the row's position in the dataset
 =================  ==========================  ====================================
@@ -218,6 +219,7 @@ class PromptDataset:
             "ground_truth": _objects([_ground_truth(row, self.name, self.row_ids[i])
                                       for row, i in zip(rows, indices)]),
             "extra_info": _objects(extra),
+            "reward_style": _objects([_reward_style(row, self.name, self.row_ids[i]) for row, i in zip(rows, indices)]),
             "tools_kwargs": _objects([e.get("tools_kwargs") or {} for e in extra]),
             "index": np.asarray([self.row_ids[i] for i in indices], dtype=np.int64),
         }
@@ -228,6 +230,14 @@ def _objects(values: list[Any]) -> np.ndarray:
     for i, value in enumerate(values):  # item by item: equal-length lists must stay lists
         out[i] = value
     return out
+
+
+def _reward_style(row: Mapping[str, Any], name: str, row_id: int) -> str:
+    """``reward_model.style``: who scores the row, ``rule`` (the default) or ``model``."""
+    style = row["reward_model"].get("style") or "rule"
+    if style not in ("rule", "model"):
+        raise DatasetError(f"{name}: row {row_id}: reward_model.style is {style!r}; use 'rule' or 'model'")
+    return style
 
 
 def _ground_truth(row: Mapping[str, Any], name: str, row_id: int) -> Any:

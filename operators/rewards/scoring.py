@@ -6,6 +6,13 @@ task's token reward, anything containing ``gsm8k`` → :func:`gsm8k_score`),
 ``"exact"``, ``"partial"``, or an import path ``"pkg.mod:fn"`` /
 ``"file.py:fn"`` (see :mod:`operators.rewards.user_fn`).
 
+A user function scores one response (verl's ``compute_score``) or, with
+``batched=True``, the whole batch at once (verl's batch reward manager:
+``fn(data_sources=, solution_strs=, ground_truths=, extra_infos=)`` returning
+one float or dict per response). A dict's keys other than ``score`` come back
+as ``extras`` (metrics). Rows whose ``reward_model.style`` is ``"model"`` are a
+reward model's to score: a rule reward refuses them.
+
 Example::
 
     >>> from operators.models import load_tokenizer
@@ -36,7 +43,7 @@ from operators.rewards.rule import (
     partial_match_score,
     task_token_score,
 )
-from operators.rewards.user_fn import load_reward_fn, split_score
+from operators.rewards.user_fn import RewardFnError, load_reward_fn, split_score
 
 NAMED_REWARDS: dict[str, Callable[..., Any]] = {
     "task": task_token_score,
@@ -84,33 +91,78 @@ def compute_scores(
     tokenizer: PreTrainedTokenizerBase,
     extra_info: Sequence[dict | None] | None = None,
     fn: str | Callable[..., Any] = "auto",
+    batched: bool = False,
+    reward_style: Sequence[str] | None = None,
 ) -> tuple[torch.Tensor, dict[str, list]]:
     """One scalar per response: ``(scores float32[B], extras)``.
 
     ``extras`` gathers the non-score keys of dict results (``None`` where a row
     had none), for metrics. Token rewards see ``responses[i][response_mask[i]]``;
-    text rewards see it decoded with special tokens skipped.
+    text rewards see it decoded with special tokens skipped. ``batched`` calls a
+    user function once for the batch (see the module doc).
     """
+    _refuse_model_style(reward_style)
     chosen = resolve_reward_fn(fn)
-    extra_info = extra_info if extra_info is not None else [None] * len(responses)
-    target_cache: dict[str, list[int]] = {}
+    extra_info = [e or {} for e in extra_info] if extra_info is not None else [{}] * len(responses)
+    response_ids = [ids[mask.bool()].tolist() for ids, mask in zip(responses, response_mask)]
+    if batched:
+        if chosen is None or getattr(chosen, "scores_token_ids", False):
+            raise ValueError("batched=True needs a user function 'pkg.module:fn' taking data_sources=, "
+                             "solution_strs=, ground_truths=, extra_infos= (verl's batch reward manager)")
+        results = chosen(data_sources=list(data_source),
+                         solution_strs=[tokenizer.decode(ids, skip_special_tokens=True) for ids in response_ids],
+                         ground_truths=list(ground_truth), extra_infos=list(extra_info))
+        results = list(results)
+        if len(results) != len(responses):
+            raise RewardFnError(f"a batched reward function returned {len(results)} scores for "
+                                f"{len(responses)} responses; return one per response")
+    else:
+        target_cache: dict[str, list[int]] = {}
+        results = []
+        for i, ids in enumerate(response_ids):
+            row_fn = chosen if chosen is not None else auto_reward_fn(str(data_source[i]))
+            if getattr(row_fn, "scores_token_ids", False):
+                truth = str(ground_truth[i])
+                if truth not in target_cache:
+                    target_cache[truth] = tokenizer.encode(truth, add_special_tokens=False)
+                results.append(row_fn(ids, target_cache[truth], tokenizer.eos_token_id))
+            else:
+                solution = tokenizer.decode(ids, skip_special_tokens=True)
+                results.append(row_fn(data_source[i], solution, ground_truth[i], extra_info[i]))
     scores, extras = [], defaultdict(lambda: [None] * len(responses))
-    for i, (ids, mask) in enumerate(zip(responses, response_mask)):
-        row_fn = chosen if chosen is not None else auto_reward_fn(str(data_source[i]))
-        response_ids = ids[mask.bool()].tolist()
-        if getattr(row_fn, "scores_token_ids", False):
-            truth = str(ground_truth[i])
-            if truth not in target_cache:
-                target_cache[truth] = tokenizer.encode(truth, add_special_tokens=False)
-            result = row_fn(response_ids, target_cache[truth], tokenizer.eos_token_id)
-        else:
-            solution = tokenizer.decode(response_ids, skip_special_tokens=True)
-            result = row_fn(data_source[i], solution, ground_truth[i], extra_info[i] or {})
+    for i, result in enumerate(results):
         score, row_extras = split_score(result)
         scores.append(score)
         for key, value in row_extras.items():
             extras[key][i] = value
     return torch.tensor(scores, dtype=torch.float32), dict(extras)
+
+
+def _refuse_model_style(reward_style: Sequence[str] | None) -> None:
+    if reward_style is None:
+        return
+    model_rows = [i for i, style in enumerate(reward_style) if style == "model"]
+    if model_rows:
+        raise ValueError(
+            f"rows {model_rows[:8]}{'...' if len(model_rows) > 8 else ''} have reward_model.style 'model': a "
+            "reward model scores them, not a rule. Use a reward.model node, or set their style to 'rule'"
+        )
+
+
+def extra_metrics(extras: dict[str, list], prefix: str = "reward") -> dict[str, float]:
+    """``{prefix}/{key}/mean`` of each numeric extra a reward function returned (rows without it skipped).
+
+    Example::
+
+        >>> extra_metrics({"acc": [1.0, 0.0, None], "note": ["a", "b", "c"]})
+        {'reward/acc/mean': 0.5}
+    """
+    out = {}
+    for key, values in extras.items():
+        numbers = [float(v) for v in values if isinstance(v, (int, float, bool)) and not isinstance(v, str)]
+        if numbers:
+            out[f"{prefix}/{key}/mean"] = sum(numbers) / len(numbers)
+    return out
 
 
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
