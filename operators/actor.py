@@ -35,8 +35,10 @@ class ActorUpdate(Params):
     clip_ratio: float = Field(0.2, gt=0, description="ε of the clipped surrogate (dppo_*: the divergence bound)")
     clip_ratio_low: float | None = Field(None, gt=0, description="ε below 1 (default: clip_ratio)")
     clip_ratio_high: float | None = Field(None, gt=0, description="ε above 1 (default: clip_ratio)")
-    clip_ratio_c: float | None = Field(3.0, gt=1, description="dual-clip bound c > 1 (verl's default 3.0); "
-                                                              "null turns the dual clip off")
+    clip_ratio_c: float = Field(3.0, gt=1, description="dual-clip bound c > 1 (verl's default 3.0); dppo_*: "
+                                                       "the IS truncation")
+    dual_clip: bool = Field(True, description="cap a negative-advantage token's loss at -A·clip_ratio_c "
+                                              "(vanilla; verl always does)")
     tau_pos: float = Field(1.0, gt=0, description="sapo: gate temperature for positive advantages")
     tau_neg: float = Field(1.05, gt=0, description="sapo: gate temperature for negative advantages")
     clip_cov_ratio: float = Field(0.0002, gt=0, description="clip_cov: share of tokens whose gradient is cut")
@@ -67,7 +69,8 @@ class ActorUpdate(Params):
     def loss_params(self) -> PolicyLossParams:
         return PolicyLossParams(
             clip_ratio=self.clip_ratio, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_c=self.clip_ratio_c, tau_pos=self.tau_pos, tau_neg=self.tau_neg,
+            clip_ratio_c=self.clip_ratio_c if self.dual_clip or self.policy_loss != "vanilla" else None,
+            tau_pos=self.tau_pos, tau_neg=self.tau_neg,
             clip_cov_ratio=self.clip_cov_ratio, clip_cov_lb=self.clip_cov_lb, clip_cov_ub=self.clip_cov_ub,
             kl_cov_ratio=self.kl_cov_ratio, ppo_kl_coef=self.ppo_kl_coef, dro_beta=self.dro_beta)
 
@@ -128,7 +131,7 @@ def update(actor, batch, p: ActorUpdate):
         loss = pg.pg_loss - p.entropy_coeff * ent
         metrics.update({"pg_loss": pg.pg_loss.detach(), "clipfrac": pg.pg_clipfrac, "approx_kl": pg.ppo_kl,
                         "entropy": ent.detach()})
-        if p.clip_ratio_c is not None or p.policy_loss != "vanilla":
+        if p.dual_clip or p.policy_loss != "vanilla":
             metrics["clipfrac_lower"] = pg.pg_clipfrac_lower
         if p.use_kl_loss:
             kl = kl_loss(log_prob, mb["ref_log_prob"], mask, p.kl_loss_type, p.loss_agg_mode, **agg)

@@ -102,7 +102,7 @@ def rollout_correction(
     metrics = mismatch_metrics(train_log_prob, rollout_log_prob, response_mask, is_threshold)
     weights = None
     if is_level is not None:
-        raw = _level_ratio(log_ratio, response_mask, is_level) * response_mask
+        raw = torch.where(response_mask.bool(), _level_ratio(log_ratio, response_mask, is_level), 0.0)
         weights = raw.clamp(max=is_threshold)
         metrics["rollout_corr/is_weight_mean"] = float(masked_mean(weights, response_mask))
         metrics["rollout_corr/is_weight_max"] = float(masked_max(weights, response_mask))
