@@ -2,7 +2,7 @@
 distribution), run against :mod:`flowrl.data` with only the import changed.
 
 The test file is read from the installed verl package (``.ci/run`` installs it
-with ``--no-deps``), never copied here. While its tests run, ``verl``,
+with ``--no-deps``, see :mod:`tests.verl_reference`), never copied here. While its tests run, ``verl``,
 ``verl.protocol`` and ``verl.utils.tensordict_utils`` resolve to :mod:`flowrl.data`
 and :mod:`flowrl.data.verl_compat`, so ``from verl import DataProto`` gets
 flowrl's DataProto.
@@ -20,6 +20,7 @@ import pytest
 
 import flowrl.data
 from flowrl.data import verl_compat
+from tests.verl_reference import INSTALL, add_verl_to_path
 
 VERL_TEST = "tests/test_protocol_on_cpu.py"
 
@@ -61,10 +62,10 @@ def _restore_modules(saved: dict[str, types.ModuleType | None]) -> None:
             sys.modules[name] = module
 
 
+add_verl_to_path()
 _PATH = _verl_test_file()
 if _PATH is None:
-    pytest.skip("verl is not installed (pip install --no-deps verl): its DataProto tests ship with it",
-                allow_module_level=True)
+    pytest.skip(f"verl is not installed ({INSTALL}): its DataProto tests ship with it", allow_module_level=True)
 
 _saved = _swap_modules(_as_verl())
 try:

@@ -4,9 +4,9 @@ Every advantage estimator, policy loss (value and gradient), aggregation mode
 (with and without a global normaliser), value loss and KL estimator is
 compared on three mask shapes: right-padded responses, masks with interior
 zeros (multi-turn: tool output inside a response) and batches with fully
-masked rows. verl is installed by ``.ci/run`` without its dependencies
-(``pip install --no-deps verl omegaconf antlr4-python3-runtime codetiming``);
-where it is missing the module is skipped with that reason.
+masked rows. verl is installed by ``.ci/run`` without its dependencies (see
+:mod:`tests.verl_reference`); where it is missing the module is skipped with
+that reason.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-core_algos = pytest.importorskip(
-    "verl.trainer.ppo.core_algos",
-    reason="verl is not installed: pip install --no-deps verl omegaconf antlr4-python3-runtime codetiming",
-)
+from tests.verl_reference import INSTALL, add_verl_to_path
+
+add_verl_to_path()
+core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason=f"verl is not installed: {INSTALL}")
 from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
