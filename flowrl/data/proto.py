@@ -40,7 +40,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
-from tensordict import NonTensorData, NonTensorStack, TensorDict
+from tensordict import TensorDict
 
 from flowrl.data.columns import (
     DataProtoError,
