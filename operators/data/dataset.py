@@ -18,6 +18,7 @@ A batch (from :meth:`PromptDataset.collate`) is a plain dict:
 ``ground_truth``   ``object[B]``                ``reward_model["ground_truth"]``
 ``extra_info``     ``object[B]``                dicts
 ``tools_kwargs``   ``object[B]``                ``extra_info.get("tools_kwargs", {})``
+``interaction_kwargs`` ``object[B]``            ``extra_info.get("interaction_kwargs", {})``
 ``index``          ``int64[B]`` (numpy)         the row's position in the dataset
 =================  ==========================  ====================================
 
@@ -219,6 +220,7 @@ class PromptDataset:
                                       for row, i in zip(rows, indices)]),
             "extra_info": _objects(extra),
             "tools_kwargs": _objects([e.get("tools_kwargs") or {} for e in extra]),
+            "interaction_kwargs": _objects([e.get("interaction_kwargs") or {} for e in extra]),
             "index": np.asarray([self.row_ids[i] for i in indices], dtype=np.int64),
         }
 

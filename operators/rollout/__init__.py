@@ -17,8 +17,11 @@ from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses,
 from operators.rollout.hf_engine import HFRolloutEngine, filter_top_k_top_p, sample_next_token
 from operators.rollout.sglang_engine import SGLangRolloutEngine  # imports sglang only when constructed
 from operators.rollout.ops import generate  # the rollout.generate operator
+from operators.rollout.agent_loop import AgentConfig, AgentLoop, Request, Trajectory
+from operators.rollout.agent_ops import multi_turn, agent_reward  # rollout.multi_turn, reward.agent
 
 __all__ = [
     "RolloutEngine", "SamplingParams", "pad_responses", "rollout_output",
     "HFRolloutEngine", "filter_top_k_top_p", "sample_next_token", "SGLangRolloutEngine", "generate",
+    "AgentConfig", "AgentLoop", "Request", "Trajectory", "multi_turn", "agent_reward",
 ]
