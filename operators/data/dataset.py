@@ -214,18 +214,19 @@ class PromptDataset:
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask),
-            "raw_prompt_ids": _objects(prompts),
-            "data_source": _objects([row["data_source"] for row in rows]),
-            "ground_truth": _objects([_ground_truth(row, self.name, self.row_ids[i])
+            "raw_prompt_ids": object_array(prompts),
+            "data_source": object_array([row["data_source"] for row in rows]),
+            "ground_truth": object_array([_ground_truth(row, self.name, self.row_ids[i])
                                       for row, i in zip(rows, indices)]),
-            "extra_info": _objects(extra),
-            "tools_kwargs": _objects([e.get("tools_kwargs") or {} for e in extra]),
-            "interaction_kwargs": _objects([e.get("interaction_kwargs") or {} for e in extra]),
+            "extra_info": object_array(extra),
+            "tools_kwargs": object_array([e.get("tools_kwargs") or {} for e in extra]),
+            "interaction_kwargs": object_array([e.get("interaction_kwargs") or {} for e in extra]),
             "index": np.asarray([self.row_ids[i] for i in indices], dtype=np.int64),
         }
 
 
-def _objects(values: list[Any]) -> np.ndarray:
+def object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-D numpy object array of ``values``, lists kept as items (``np.array`` would stack them)."""
     out = np.empty(len(values), dtype=object)
     for i, value in enumerate(values):  # item by item: equal-length lists must stay lists
         out[i] = value

@@ -29,14 +29,18 @@ numbers to send; reinforcement learning has to teach that.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from operators.data.tool_tasks import warmup_batch
+from operators.data.tool_tasks import WARMUP_CORRECT_SHARE, warmup_batch
 from operators.models.tiny import BOS, EOS, PAD, SPECIAL_TOKENS, UNK
 
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
@@ -57,7 +61,7 @@ CHAT_TEMPLATE = (
 )
 
 #: warm-up length and learning rate (a fixed recipe: same seed, same warmed-up weights)
-WARMUP_STEPS = 120
+WARMUP_STEPS = 300
 WARMUP_LR = 3e-3
 WARMUP_BATCH = 64
 
@@ -95,8 +99,35 @@ def tiny_tools_config() -> LlamaConfig:
     )
 
 
+def _cache_path(seed: int) -> Path:
+    recipe = json.dumps([VOCAB, CHAT_TEMPLATE, WARMUP_STEPS, WARMUP_LR, WARMUP_BATCH, WARMUP_CORRECT_SHARE, seed,
+                         torch.__version__])
+    digest = hashlib.sha256(recipe.encode()).hexdigest()[:16]
+    root = Path(os.environ.get("FLOWRL_CACHE_DIR", Path.home() / ".cache" / "flowrl"))
+    return root / f"tiny-tools-{digest}.pt"
+
+
 @lru_cache(maxsize=4)
 def _warmed_up_state(seed: int) -> dict[str, torch.Tensor]:
+    # the warm-up is a pure function of the recipe: keep its result on disk, keyed by the recipe
+    path = _cache_path(seed)
+    if path.is_file():
+        try:
+            return torch.load(path, weights_only=True)
+        except (OSError, RuntimeError, EOFError):
+            pass  # a torn or foreign file: warm up again and overwrite it
+    state = _warm_up(seed)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(state, tmp)
+        tmp.replace(path)
+    except OSError:
+        pass  # a read-only home: warm up in every process instead
+    return state
+
+
+def _warm_up(seed: int) -> dict[str, torch.Tensor]:
     tokenizer = build_tiny_tools_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -15,6 +15,7 @@ Example YAML (``graphs/grpo_tools.yaml``)::
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from pydantic import Field
 
 from flowrl.graph import Params, operator
+from operators.data.dataset import object_array
 from operators.rewards import split_score
 from operators.rewards.rule import exact_match_score
 from operators.rewards.scoring import auto_reward_fn, place_at_last_token, resolve_reward_fn
@@ -39,16 +41,24 @@ class MultiTurn(AgentConfig):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, description="-1: no top-k filtering")
     greedy: bool = Field(False, description="argmax decoding (validation)")
-    tool_config: str | None = Field(None, description="a YAML tool config (verl's layout: tools: [...])")
+    tools: tuple[dict, ...] = Field((), description="tool entries inline, as in a tool config: "
+                                                   "{class_name, config, tool_schema} or {function}")
+    tool_config: str | None = Field(None, description="a YAML tool config file (verl's layout: tools: [...])")
     tool_functions: tuple[str, ...] = Field((), description="typed functions as tools: 'pkg.mod:fn' / 'file.py:fn'")
     tool_parser: str = Field("hermes", description="how tool calls are written (hermes: <tool_call>{json}</tool_call>)")
     render_tool_schemas: bool = Field(False, description="pass the tools' schemas to the chat template")
     environment: str | None = Field(None, description="an Environment / Interaction class: 'pkg.mod:Class'")
 
 
-@lru_cache(maxsize=8)
-def _tools(config: str | None, functions: tuple[str, ...]):
-    return build_tools(config, functions)
+_TOOLS: dict[str, dict] = {}
+
+
+def _tools(p: MultiTurn) -> dict:
+    """The node's tools, built once per process (tools may hold clients or caches)."""
+    key = json.dumps([p.tools, p.tool_config, p.tool_functions], sort_keys=True, default=str)
+    if key not in _TOOLS:
+        _TOOLS[key] = build_tools(p.tool_config, p.tool_functions, p.tools)
+    return _TOOLS[key]
 
 
 @lru_cache(maxsize=8)
@@ -82,7 +92,7 @@ def multi_turn(actor, batch, p: MultiTurn):
                          f"rollout of {p.environment} yields; set n to a multiple of {per_rollout}")
     tokenizer = actor.tokenizer
     engine = actor.engine
-    loop = AgentLoop(tokenizer, p, tools=_tools(p.tool_config, tuple(p.tool_functions)), parser=p.tool_parser,
+    loop = AgentLoop(tokenizer, p, tools=_tools(p), parser=p.tool_parser,
                      environment=env_cls, stop_token_ids=[int(i) for i in engine.stop_token_ids],
                      render_tool_schemas=p.render_tool_schemas)
     requests = []
@@ -101,9 +111,9 @@ def multi_turn(actor, batch, p: MultiTurn):
         **{k: out[k] for k in SEQUENCE_FIELDS}, "rollout_log_probs": out["rollout_log_probs"],
         "weight_version": torch.full((len(trajectories),), actor.version, dtype=torch.int64),
         "tool_reward": torch.tensor([t.reward for t in trajectories], dtype=torch.float32),
-        "answer": [t.final_answer() for t in trajectories],
-        "messages": [t.messages for t in trajectories],
-        "finish_reason": [t.finish_reason for t in trajectories],
+        "answer": object_array([t.final_answer() for t in trajectories]),
+        "messages": object_array([t.messages for t in trajectories]),
+        "finish_reason": object_array([t.finish_reason for t in trajectories]),
     }, metrics
 
 

@@ -168,19 +168,23 @@ def add(a: int, b: int) -> int:
 
 
 class AddTool(BaseTool):
-    """The calculator of ``builtin:tool_add``: ``add(a, b)``, paying ``config.reward`` for a call
-    with the conversation's own operands (``create_kwargs`` ``a`` and ``b``).
+    """The calculator of ``builtin:tool_add``: ``add(a, b)``, paying up to ``config.reward`` for calling
+    it with the conversation's own operands (``create_kwargs`` ``a`` and ``b``).
+
+    The reward is dense, so a policy that copies some digits right is already
+    paid a little: ``reward`` × the share of the operands' digits the best call
+    got right, position by position (either operand order).
 
     Example::
 
         >>> import asyncio
-        >>> tool = AddTool({"reward": 0.1})
-        >>> async def once():
-        ...     iid = await tool.create(a=2, b=3)
-        ...     out = await tool.execute(iid, {"a": 2, "b": 3})
+        >>> tool = AddTool({"reward": 0.2})
+        >>> async def once(a, b):
+        ...     iid = await tool.create(a=37, b=48)
+        ...     out = await tool.execute(iid, {"a": a, "b": b})
         ...     return out.text, await tool.calc_reward(iid)
-        >>> asyncio.run(once())
-        ('5', 0.1)
+        >>> asyncio.run(once(48, 37)), asyncio.run(once(37, 41))
+        (('85', 0.2), ('78', 0.15))
     """
 
     def __init__(self, config: Mapping[str, Any] | None = None, tool_schema: Mapping[str, Any] | None = None):
@@ -189,13 +193,18 @@ class AddTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         state = self._instances.setdefault(instance_id, {})
         a, b = parameters["a"], parameters["b"]
-        if "a" in state and {a, b} == {state["a"], state["b"]}:
-            state["right_call"] = True
+        if "a" in state:
+            target = f"{state['a']}{state['b']}"
+            share = max(_digit_share(f"{a}{b}", target), _digit_share(f"{b}{a}", target))
+            state["best"] = max(state.get("best", 0.0), share)
         return ToolResult(str(add(a, b)))
 
     async def calc_reward(self, instance_id: str, **calc_reward_kwargs: Any) -> float:
-        state = self._instances.get(instance_id, {})
-        return float(self.config.get("reward", 0.0)) if state.get("right_call") else 0.0
+        return float(self.config.get("reward", 0.0)) * self._instances.get(instance_id, {}).get("best", 0.0)
+
+
+def _digit_share(written: str, target: str) -> float:
+    return sum(w == t for w, t in zip(written, target)) / max(len(written), len(target), 1)
 
 
 def import_object(path: str, where: str) -> Any:
@@ -259,10 +268,12 @@ def load_tool_config(path: str | Path) -> list[BaseTool]:
     return [tool_from_entry(e, f"{path}: tools[{i}]") for i, e in enumerate(data["tools"])]
 
 
-def build_tools(config: str | None = None, functions: Sequence[str] = ()) -> dict[str, BaseTool]:
-    """Tools by name from a tool config file and/or function import paths; duplicate names are an error."""
+def build_tools(config: str | None = None, functions: Sequence[str] = (),
+                entries: Sequence[Mapping[str, Any]] = ()) -> dict[str, BaseTool]:
+    """Tools by name from a tool config file, function import paths and inline entries; names must be unique."""
     tools = load_tool_config(config) if config else []
     tools += [tool_from_entry({"function": f}, f"tool_functions[{i}]") for i, f in enumerate(functions)]
+    tools += [tool_from_entry(e, f"tools[{i}]") for i, e in enumerate(entries)]
     by_name: dict[str, BaseTool] = {}
     for tool in tools:
         if tool.name in by_name:
