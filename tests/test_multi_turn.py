@@ -336,3 +336,55 @@ def test_verl_multiturn_dataset_runs_with_a_user_written_tool(tmp_path):
     results = loop.run(front, requests)
     assert [r[0].tool_reward for r in results] == [1.0, 0.0, 1.0, 0.0]
     assert all(r[0].tool_successes == 1 for r in results)
+
+
+def test_yaml_and_python_twin_of_grpo_tools_are_the_same_graph():
+    from flowrl.graph import load_graph
+
+    a = load_graph(ROOT / "graphs" / "grpo_tools.yaml")
+    b = load_graph(str(ROOT / "graphs" / "grpo_tools.py"))
+    assert a.check().ok, [str(p) for p in a.check().errors]
+    assert a.to_dict() == b.to_dict()
+
+
+def test_grpo_tools_runs_through_the_trainer(tmp_path, monkeypatch):
+    """Two steps of the tool graph: the multi-turn metrics and an interior-zero mask reach the trainer."""
+    import operators.models.tiny_tools as tiny_tools
+    from flowrl.graph import load_graph
+    from flowrl.runtime.trainer import Trainer
+
+    monkeypatch.setattr(tiny_tools, "WARMUP_STEPS", 2)   # the format warm-up's length does not matter here
+    monkeypatch.setenv("FLOWRL_CACHE_DIR", str(tmp_path / "cache"))
+    tiny_tools._warmed_up_state.cache_clear()
+    overrides = {"data.batch_size": 2, "nodes.generate.n": 2, "trainer.val_every": 0}
+    history = Trainer(load_graph(ROOT / "graphs" / "grpo_tools.yaml", overrides=overrides), backend="local",
+                      steps=2, out=tmp_path / "run").run()
+    tiny_tools._warmed_up_state.cache_clear()
+    last = history[-1]
+    assert sum(last[f"multi_turn/finish/{r}"] for r in ("stop", "length", "max_turns", "tool_error")) == 4
+    assert 0.0 <= last["multi_turn/tool_success_rate"] <= 1.0 and last["multi_turn/assistant_turns"] >= 1
+    assert 0.0 <= last["reward/mean"] <= 1.2
+
+
+def test_scores_land_on_the_last_sampled_token_of_an_interior_zero_mask():
+    from operators.rewards import place_at_last_token
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]])
+    placed = place_at_last_token(torch.tensor([2.0, 3.0]), mask)
+    assert placed[0].tolist() == [0, 0, 0, 0, 0, 2.0, 0, 0] and placed[1].tolist() == [3.0] + [0] * 7
+
+
+def test_agent_reward_adds_the_outcome_and_the_tool_rewards():
+    import numpy as np
+
+    from flowrl.data import DataProto
+    from operators.rollout.agent_ops import AgentReward, agent_reward
+
+    obj = lambda *v: np.array(list(v), dtype=object)
+    batch = DataProto.from_dict(
+        tensors={"response_mask": torch.tensor([[1, 0, 1], [1, 1, 0]]), "tool_reward": torch.tensor([0.2, 0.1])},
+        non_tensors={"answer": obj("85", "84"), "data_source": obj("builtin:tool_add", "builtin:tool_add"),
+                     "ground_truth": obj("85", "85"), "extra_info": obj({}, {})})
+    out, metrics = agent_reward.run(None, batch, AgentReward())
+    assert torch.allclose(out.batch["token_level_scores"], torch.tensor([[0, 0, 1.2], [0, 0.1, 0]]))
+    assert metrics["reward/outcome"] == pytest.approx(0.5)

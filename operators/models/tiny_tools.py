@@ -23,8 +23,11 @@ closes the assistant's, so the model's stop token is the template's own::
 
 The model (:func:`build_tiny_tools_model`) starts from a short supervised
 warm-up of the call format (see :func:`operators.data.tool_tasks.warmup_batch`):
-it learns *how* to call the calculator and to copy its answer, not *which*
-numbers to send; reinforcement learning has to teach that.
+it learns how to call the calculator and to copy its answer, and, noisily,
+which numbers to send (right in about one sampled call of five);
+reinforcement learning makes the sampled policy reliable. The warm-up takes
+~1-3 minutes on one busy CPU core the first time and is cached on disk
+(``~/.cache/flowrl``, or ``$FLOWRL_CACHE_DIR``) under a hash of its recipe.
 """
 
 from __future__ import annotations

@@ -123,16 +123,18 @@ class Trajectory:
     tool_calls: int = 0
     tool_successes: int = 0
     tool_errors: Counter = field(default_factory=Counter)
+    #: the ``metrics`` of each successful call, as ``(tool name, metrics)``
+    tool_metrics: list[tuple[str, dict]] = field(default_factory=list)
     tool_reward: float = 0.0
     env_reward: float = 0.0
     #: first position where the incremental ids and a re-tokenisation differ (None: they agree or unchecked)
     tokenization_mismatch: int | None = None
-    #: for a spawned trajectory: the messages of the rollout's main conversation (its outcome is scored)
+    #: for a spawned trajectory: the messages of the rollout's main conversation (whose outcome is scored)
     outcome_messages: list[dict[str, Any]] | None = None
 
     @property
     def reward(self) -> float:
-        """Tool and environment rewards (the outcome score is added by ``reward.agent``)."""
+        """Tool and environment rewards: the row's ``tool_reward`` (``reward.agent`` adds the outcome score)."""
         return self.tool_reward + self.env_reward
 
     def final_answer(self) -> str:
@@ -506,10 +508,11 @@ class AgentLoop:
         extra = calls[cfg.max_parallel_calls:]
         errors = list(errors) + [ToolCallError("too_many_calls", f"at most {cfg.max_parallel_calls} call(s) "
                                                f"per turn; {call.name!r} was not run") for call in extra]
-        outcomes = await asyncio.gather(*(self._call_one(call, instances, request)
-                                          for call in calls[:cfg.max_parallel_calls]))
+        run = calls[:cfg.max_parallel_calls]
+        outcomes = await asyncio.gather(*(self._call_one(call, instances, request) for call in run))
+        names = [call.name for call in run] + [""] * len(errors)
         replies = []
-        for outcome in list(outcomes) + errors:
+        for name, outcome in zip(names, list(outcomes) + errors):
             traj.tool_calls += 1
             if isinstance(outcome, ToolCallError):
                 traj.tool_errors[outcome.kind] += 1
@@ -517,6 +520,7 @@ class AgentLoop:
             else:
                 traj.tool_successes += 1
                 traj.tool_reward += float(outcome.reward)
+                traj.tool_metrics.append((name, dict(outcome.metrics or {})))
                 text = outcome.text
             replies.append(truncate_text(text, cfg.max_tool_response_length, cfg.tool_response_truncate_side))
         return replies
@@ -542,7 +546,7 @@ class AgentLoop:
 
     def _check_tokenization(self, traj: Trajectory) -> None:
         mode = self.config.tokenization_check
-        if mode == "off" or traj.outcome_messages is not None:
+        if mode == "off":
             return
         ends_with_prompt = bool(traj.messages) and traj.messages[-1]["role"] != "assistant"
         whole = self.renderer.response_as_whole(traj.messages, ends_with_prompt)
@@ -576,6 +580,12 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     errors = sum((t.tool_errors for t in trajectories), Counter())
     for kind, count in errors.items():
         metrics[f"multi_turn/tool_errors/{kind}"] = float(count)
+    per_tool: dict[str, list[float]] = {}
+    for t in trajectories:
+        for name, values in t.tool_metrics:
+            for key, value in values.items():
+                per_tool.setdefault(f"multi_turn/tool/{name}/{key}", []).append(float(value))
+    metrics.update({key: sum(v) / len(v) for key, v in per_tool.items()})  # mean over successful calls
     return metrics
 
 

@@ -8,9 +8,15 @@ is 1 on sampled tokens only (interior zeros on tool and user turns),
 
 Example YAML (``graphs/grpo_tools.yaml``)::
 
-    generate: {op: rollout.multi_turn, n: 8, max_response_length: 40, max_assistant_turns: 3,
-               tool_config: graphs/tools/calculator.yaml}
+    generate: {op: rollout.multi_turn, n: 8, max_response_length: 32, max_assistant_turns: 3,
+               tools: [{class_name: operators.rollout.tools.AddTool, config: {reward: 0.2}}]}
     reward:   {op: reward.agent}
+
+``tool_reward`` holds a row's tool and environment rewards. Tools may also come
+from a YAML file (``tool_config``) or typed functions (``tool_functions:
+[mypkg.tools:search]``); an ``environment`` (``pkg.mod:Class``) answers turns
+that call no tool. The dataset's ``extra_info.tools_kwargs`` and
+``extra_info.interaction_kwargs`` reach each row's tools and environment.
 """
 
 from __future__ import annotations

@@ -193,11 +193,13 @@ class AddTool(BaseTool):
     async def execute(self, instance_id: str, parameters: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         state = self._instances.setdefault(instance_id, {})
         a, b = parameters["a"], parameters["b"]
+        metrics = {}
         if "a" in state:
             target = f"{state['a']}{state['b']}"
             share = max(_digit_share(f"{a}{b}", target), _digit_share(f"{b}{a}", target))
             state["best"] = max(state.get("best", 0.0), share)
-        return ToolResult(str(add(a, b)))
+            metrics = {"right_operands": float(share == 1.0), "digit_share": share}
+        return ToolResult(str(add(a, b)), 0.0, metrics)
 
     async def calc_reward(self, instance_id: str, **calc_reward_kwargs: Any) -> float:
         return float(self.config.get("reward", 0.0)) * self._instances.get(instance_id, {}).get("best", 0.0)
