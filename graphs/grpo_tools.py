@@ -13,7 +13,7 @@ ADD_TOOL = {"class_name": "operators.rollout.tools.AddTool", "config": {"reward"
     pools={"train": {"workers": 1, "cpus": 1, "roles": ["actor"]}},
     data={"source": "builtin:tool_add", "batch_size": 16},
     schedule={"micro_batches": 1, "staleness": 0},
-    trainer={"steps": 150, "seed": 0, "out": "runs/grpo_tools", "val_every": 25, "checkpoint_every": 150},
+    trainer={"steps": 60, "seed": 0, "out": "runs/grpo_tools", "val_every": 20, "checkpoint_every": 60},
 )
 def grpo_tools(batch):
     batch = rollout.multi_turn(batch, n=8, max_response_length=32, max_tokens_per_turn=16, max_assistant_turns=3,

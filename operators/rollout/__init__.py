@@ -1,7 +1,11 @@
 """Rollout engines: prompts in, responses + masks + log-probs out.
 
 ``HFRolloutEngine`` (transformers, CPU or GPU) runs anywhere; ``SGLangRolloutEngine``
-needs a GPU and sglang, which it imports only when constructed.
+needs a GPU and sglang, which it imports only when constructed. The agent loop
+(``agent_loop``: multi-turn conversations with tools and environments, served
+by either engine) is the ``rollout.multi_turn`` operator (``agent_ops``); tools
+live in ``tools``, tool-call parsers in ``tool_parsers``, environments and
+simulated users in ``envs``.
 
 Example::
 
