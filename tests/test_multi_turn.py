@@ -388,3 +388,56 @@ def test_agent_reward_adds_the_outcome_and_the_tool_rewards():
     out, metrics = agent_reward.run(None, batch, AgentReward())
     assert torch.allclose(out.batch["token_level_scores"], torch.tensor([[0, 0, 1.2], [0, 0.1, 0]]))
     assert metrics["reward/outcome"] == pytest.approx(0.5)
+
+
+def test_actor_log_probs_of_the_assembled_batch_match_the_turn_by_turn_log_probs():
+    """The rows built from a conversation (left-padded prompt, tool turns attended but masked) give the
+    actor the same log-probs the sampler had turn by turn: the PPO ratio starts at exactly 1."""
+    from transformers import LlamaForCausalLM
+
+    from operators.models import response_log_probs
+    from operators.models.tiny_tools import tiny_tools_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_tools_config()).eval()
+
+    class Forced(ScriptedEngine):
+        """Writes the script's tokens, reporting the model's own log-prob of each (teacher forcing)."""
+
+        def generate(self, input_ids, attention_mask, params=None, **overrides):
+            params = self.resolve(params, overrides)
+            turns, lps = [], []
+            for row, mask in zip(input_ids, attention_mask):
+                context = row[mask.bool()].tolist()
+                turn = self._turn(context)
+                full = torch.tensor([context + turn])
+                with torch.no_grad():
+                    logits = model(input_ids=full).logits[0, len(context) - 1:-1].log_softmax(-1)
+                turns.append(turn)
+                lps.append(logits.gather(-1, torch.tensor(turn)[:, None])[:, 0].tolist())
+            responses, mask, log_probs = pad_responses(turns, lps, params.max_new_tokens, 0)
+            return rollout_output(input_ids, attention_mask, responses, mask, log_probs)
+
+    def script(user):
+        a, b = map(int, user[:-1].split("+"))
+        return [tool_call_text("add", {"a": a, "b": b}), str(a + b)]
+
+    loop = AgentLoop(TOK, AgentConfig(max_response_length=40), tools={"add": AddTool()}, stop_token_ids=[EOS])
+    front = BatchingFront(Forced(script), SamplingParams(), loop.stop_ids, TOK.pad_token_id)
+    prompts = ["3+4=", "12+345=", "98+7="]   # different prompt and tool-reply lengths: padding on both sides
+    trajectories = [r[0] for r in loop.run(front, [Request(prompt_ids(p)) for p in prompts])]
+    out = trajectory_tensors(trajectories, 40, TOK.pad_token_id)
+    with torch.no_grad():
+        actor, _ = response_log_probs(model, out["input_ids"], out["attention_mask"], out["position_ids"], 40)
+    mask = out["response_mask"].bool()
+    assert mask.sum() > 0 and (~mask[:, :20]).any()   # interior zeros are there
+    assert torch.allclose(actor[mask], out["rollout_log_probs"][mask], atol=1e-5)
+
+
+def test_a_tool_that_cannot_be_imported_is_a_graph_check_error_naming_the_node():
+    from flowrl.graph import load_graph
+
+    g = load_graph(ROOT / "graphs" / "grpo_tools.yaml",
+                   overrides={"nodes.generate.tools": [{"class_name": "nosuch.module:Tool"}]})
+    errors = [str(p) for p in g.check().errors]
+    assert any("generate" in e and "tools[0]" in e and "nosuch" in e for e in errors), errors

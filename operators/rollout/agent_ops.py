@@ -23,22 +23,35 @@ from __future__ import annotations
 
 import json
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowrl.graph import Params, operator
 from operators.data.dataset import object_array
 from operators.rewards import split_score
 from operators.rewards.rule import exact_match_score
 from operators.rewards.scoring import auto_reward_fn, place_at_last_token, resolve_reward_fn
-from operators.rollout.agent_loop import AgentConfig, AgentLoop, Request, make_generator, rollout_metrics, \
-    trajectory_tensors
+from operators.rollout.agent_loop import (
+    AgentConfig, AgentLoop, Request, make_generator, rollout_metrics, trajectory_tensors,
+)
 from operators.rollout.base import SamplingParams
 from operators.rollout.envs import Environment
 from operators.rollout.ops import SEQUENCE_FIELDS
+from operators.rollout.tool_parsers import get_parser
 from operators.rollout.tools import ToolConfigError, build_tools, import_object
+
+
+@lru_cache(maxsize=8)
+def _environment(path: str | None) -> type[Environment] | None:
+    if path is None:
+        return None
+    cls = import_object(path, "rollout.multi_turn.environment")
+    if not (isinstance(cls, type) and issubclass(cls, Environment)):
+        raise ToolConfigError(f"rollout.multi_turn.environment: {path!r} is not an Environment subclass")
+    return cls
 
 
 class MultiTurn(AgentConfig):
@@ -55,6 +68,25 @@ class MultiTurn(AgentConfig):
     render_tool_schemas: bool = Field(False, description="pass the tools' schemas to the chat template")
     environment: str | None = Field(None, description="an Environment / Interaction class: 'pkg.mod:Class'")
 
+    @model_validator(mode="after")
+    def _resolvable(self) -> "MultiTurn":
+        """Tools, parser and environment are found when the graph is checked, not mid-run."""
+        try:
+            get_parser(self.tool_parser)
+            if self.tool_config is not None and not Path(self.tool_config).is_file():
+                raise ToolConfigError(f"tool_config {self.tool_config!r}: no such file")
+            for i, entry in enumerate(self.tools):
+                target = entry.get("class_name") or entry.get("function") if isinstance(entry, dict) else None
+                if not target:
+                    raise ToolConfigError(f"tools[{i}]: give 'class_name' (a BaseTool subclass) or 'function'")
+                import_object(str(target), f"tools[{i}]")
+            for i, fn in enumerate(self.tool_functions):
+                import_object(fn, f"tool_functions[{i}]")
+            _environment(self.environment)
+        except ToolConfigError as err:
+            raise ValueError(str(err)) from None
+        return self
+
 
 _TOOLS: dict[str, dict] = {}
 
@@ -65,16 +97,6 @@ def _tools(p: MultiTurn) -> dict:
     if key not in _TOOLS:
         _TOOLS[key] = build_tools(p.tool_config, p.tool_functions, p.tools)
     return _TOOLS[key]
-
-
-@lru_cache(maxsize=8)
-def _environment(path: str | None) -> type[Environment] | None:
-    if path is None:
-        return None
-    cls = import_object(path, "rollout.multi_turn.environment")
-    if not (isinstance(cls, type) and issubclass(cls, Environment)):
-        raise ToolConfigError(f"rollout.multi_turn.environment: {path!r} is not an Environment subclass")
-    return cls
 
 
 def _row_kwargs(extra_info: Any, key: str) -> dict:
