@@ -180,6 +180,25 @@ def test_each_malformed_call_is_a_tool_error_turn_and_a_metric_and_the_run_goes_
     assert metrics[f"multi_turn/tool_errors/{kind}"] == 1.0 and metrics["multi_turn/tool_success_rate"] == 0.0
 
 
+def test_a_sync_tool_that_hangs_is_a_timeout_and_does_not_hold_the_rollout():
+    import threading
+
+    release, finished = threading.Event(), threading.Event()
+
+    def sub(a: int, b: int) -> int:
+        """Hangs until released."""
+        release.wait(30)
+        finished.set()
+        return a - b
+
+    script = lambda user: [tool_call_text("sub", {"a": 1, "b": 2}), "3"]
+    [[traj]], _, _ = run(script, ["1+2="], AgentConfig(max_response_length=120, tool_timeout_s=0.2),
+                         tools={"sub": FunctionTool(sub)})
+    assert traj.tool_errors == {"timeout": 1} and traj.final_answer() == "3"
+    assert not finished.is_set()   # the rollout ended while the tool was still hanging
+    release.set()
+
+
 def test_max_tool_errors_ends_with_tool_error():
     script = lambda user: [CATALOGUE["unknown_tool"], "3"]
     [[traj]], _, _ = run(script, ["1+2="], AgentConfig(max_response_length=120, max_tool_errors=1))

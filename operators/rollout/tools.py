@@ -30,10 +30,12 @@ A YAML tool config (verl's layout) names classes or functions::
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import importlib.util
 import inspect
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -147,8 +149,18 @@ def schema_from_function(fn: Callable[..., Any]) -> dict[str, Any]:
         "parameters": {"type": "object", "properties": properties, "required": required}}}
 
 
+#: where synchronous tools run: not asyncio's default executor, which ``asyncio.run`` waits for at
+#: the end of a rollout, so a sync tool that hangs past its timeout does not hold the rollout up
+_SYNC_TOOL_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="flowrl-tool")
+
+
 class FunctionTool(BaseTool):
-    """A plain (sync or async) typed function as a stateless tool; its return value, as text, is the response."""
+    """A plain (sync or async) typed function as a stateless tool; its return value, as text, is the response.
+
+    A synchronous function runs in a thread; past the loop's ``tool_timeout_s``
+    the call is answered with a timeout error, but a thread cannot be stopped:
+    it finishes in the background (write long-running tools as ``async def``).
+    """
 
     def __init__(self, fn: Callable[..., Any], config: Mapping[str, Any] | None = None):
         self.fn = fn
@@ -158,7 +170,8 @@ class FunctionTool(BaseTool):
         if inspect.iscoroutinefunction(self.fn):
             value = await self.fn(**parameters)
         else:
-            value = await asyncio.to_thread(self.fn, **parameters)
+            call = functools.partial(self.fn, **parameters)
+            value = await asyncio.get_running_loop().run_in_executor(_SYNC_TOOL_THREADS, call)
         return value if isinstance(value, ToolResult) else ToolResult(str(value))
 
 
