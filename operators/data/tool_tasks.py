@@ -17,9 +17,9 @@ the right numbers)::
     >>> from operators.data.tasks import TaskRows
     >>> row = TaskRows("tool_add", size=4, seed=0)[0]
     >>> row["prompt"], row["reward_model"]["ground_truth"]
-    ([{'role': 'user', 'content': '84+72='}], '156')
+    ([{'role': 'user', 'content': '86+67='}], '153')
     >>> row["extra_info"]["tools_kwargs"]
-    {'add': {'create_kwargs': {'a': 84, 'b': 72}}}
+    {'add': {'create_kwargs': {'a': 86, 'b': 67}}}
 
 :func:`warmup_batch` makes the supervised warm-up data of ``builtin:tiny-tools``:
 conversations in the solved layout whose calls carry the prompt's numbers 60%

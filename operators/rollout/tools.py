@@ -195,7 +195,7 @@ class AddTool(BaseTool):
         >>> async def once(a, b):
         ...     iid = await tool.create(a=37, b=48)
         ...     out = await tool.execute(iid, {"a": a, "b": b})
-        ...     return out.text, await tool.calc_reward(iid)
+        ...     return out.text, round(await tool.calc_reward(iid), 3)
         >>> asyncio.run(once(48, 37)), asyncio.run(once(37, 41))
         (('85', 0.2), ('78', 0.15))
     """
