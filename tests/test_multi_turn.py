@@ -460,3 +460,33 @@ def test_a_tool_that_cannot_be_imported_is_a_graph_check_error_naming_the_node()
                    overrides={"nodes.generate.tools": [{"class_name": "nosuch.module:Tool"}]})
     errors = [str(p) for p in g.check().errors]
     assert any("generate" in e and "tools[0]" in e and "nosuch" in e for e in errors), errors
+
+
+def test_a_verl_multiturn_parquet_trains_through_the_graph_with_a_user_tool(tmp_path, monkeypatch):
+    """gsm8k_multiturn_w_tool-layout parquet → data source → rollout.multi_turn with a user tool → GRPO."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import operators.models.tiny_tools as tiny_tools
+    from flowrl.graph import load_graph
+    from flowrl.runtime.trainer import Trainer
+
+    monkeypatch.setattr(tiny_tools, "WARMUP_STEPS", 2)
+    monkeypatch.setenv("FLOWRL_CACHE_DIR", str(tmp_path / "cache"))
+    tiny_tools._warmed_up_state.cache_clear()
+    (tmp_path / "mytools.py").write_text("def calc(x: int) -> int:\n    '''Echo.'''\n    return x\n")
+    rows = [{"data_source": "openai/gsm8k",
+             "prompt": [{"role": "system", "content": "use the tool"}, {"role": "user", "content": f"{a}+1="}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + 1)},
+             "extra_info": {"index": a, "split": "train", "tools_kwargs": {"calc": {"create_kwargs": {"x": a}}},
+                            "interaction_kwargs": {"query": f"{a}+1="}}} for a in range(8)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    overrides = {"data.source": str(tmp_path / "train.parquet"), "data.batch_size": 2, "nodes.generate.n": 2,
+                 "nodes.generate.tools": [], "nodes.generate.tool_functions": [f"{tmp_path / 'mytools.py'}:calc"],
+                 "nodes.reward.fn": "exact", "trainer.val_every": 0}
+    g = load_graph(ROOT / "graphs" / "grpo_tools.yaml", overrides=overrides)
+    assert g.check().ok, [str(p) for p in g.check().errors]
+    history = Trainer(g, backend="local", steps=2, out=tmp_path / "run").run()
+    tiny_tools._warmed_up_state.cache_clear()
+    assert [row["step"] for row in history] == [1, 2]
+    assert sum(history[-1][f"multi_turn/finish/{r}"] for r in ("stop", "length", "max_turns", "tool_error")) == 4
