@@ -413,7 +413,11 @@ class AgentLoop:
         traj = Trajectory(prompt_ids=list(prompt_ids))
         instances = {}
         for name, tool in self.tools.items():
-            instances[name] = await tool.create(**self._tool_kwargs(request, name, "create_kwargs"))
+            try:
+                instances[name] = await tool.create(**self._tool_kwargs(request, name, "create_kwargs"))
+            except Exception as err:  # a setup bug, not the model's: stop with what and where
+                raise AgentLoopError(f"tool {name!r}: create() failed with {type(err).__name__}: {err} "
+                                     f"(create_kwargs from the row's extra_info.tools_kwargs.{name})") from err
         generator.live += 1
         try:
             if env is not None:
@@ -463,9 +467,13 @@ class AgentLoop:
         finally:
             generator.live -= 1
             for name, tool in self.tools.items():
-                traj.tool_reward += float(await tool.calc_reward(
-                    instances[name], **self._tool_kwargs(request, name, "calc_reward_kwargs")))
-                await tool.release(instances[name], **self._tool_kwargs(request, name, "release_kwargs"))
+                try:
+                    traj.tool_reward += float(await tool.calc_reward(
+                        instances[name], **self._tool_kwargs(request, name, "calc_reward_kwargs")))
+                    await tool.release(instances[name], **self._tool_kwargs(request, name, "release_kwargs"))
+                except Exception:  # counted, like a failing call: one tool's bug does not end the run
+                    log.warning("tool %s: calc_reward/release raised", name, exc_info=True)
+                    traj.tool_errors["reward_exception"] += 1
             self._check_tokenization(traj)
 
     # --- pieces of a conversation ---

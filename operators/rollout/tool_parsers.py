@@ -39,7 +39,8 @@ class ToolCallError:
 
     Kinds: ``bad_json``, ``unclosed_tag``, ``bad_call`` (no name, arguments not
     an object), ``unknown_tool``, ``bad_arguments``, ``tool_exception``,
-    ``timeout``, ``too_many_calls``.
+    ``timeout``, ``too_many_calls`` (and, counted by the loop, ``reward_exception``: a raising
+    ``calc_reward`` or ``release``).
     """
 
     kind: str
