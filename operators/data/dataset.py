@@ -19,6 +19,7 @@ A batch (from :meth:`PromptDataset.collate`) is a plain dict:
 ``extra_info``     ``object[B]``                dicts
 ``reward_style``   ``object[B]``                ``reward_model.get("style", "rule")``
 ``tools_kwargs``   ``object[B]``                ``extra_info.get("tools_kwargs", {})``
+``interaction_kwargs`` ``object[B]``            ``extra_info.get("interaction_kwargs", {})``
 ``index``          ``int64[B]`` (numpy)         the row's position in the dataset
 =================  ==========================  ====================================
 
@@ -214,18 +215,21 @@ class PromptDataset:
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask),
-            "raw_prompt_ids": _objects(prompts),
-            "data_source": _objects([row["data_source"] for row in rows]),
-            "ground_truth": _objects([_ground_truth(row, self.name, self.row_ids[i])
+            "raw_prompt_ids": object_array(prompts),
+            "data_source": object_array([row["data_source"] for row in rows]),
+            "ground_truth": object_array([_ground_truth(row, self.name, self.row_ids[i])
                                       for row, i in zip(rows, indices)]),
-            "extra_info": _objects(extra),
-            "reward_style": _objects([_reward_style(row, self.name, self.row_ids[i]) for row, i in zip(rows, indices)]),
-            "tools_kwargs": _objects([e.get("tools_kwargs") or {} for e in extra]),
+            "extra_info": object_array(extra),
+            "reward_style": object_array([_reward_style(row, self.name, self.row_ids[i])
+                                          for row, i in zip(rows, indices)]),
+            "tools_kwargs": object_array([e.get("tools_kwargs") or {} for e in extra]),
+            "interaction_kwargs": object_array([e.get("interaction_kwargs") or {} for e in extra]),
             "index": np.asarray([self.row_ids[i] for i in indices], dtype=np.int64),
         }
 
 
-def _objects(values: list[Any]) -> np.ndarray:
+def object_array(values: Sequence[Any]) -> np.ndarray:
+    """A 1-D numpy object array of ``values``, lists kept as items (``np.array`` would stack them)."""
     out = np.empty(len(values), dtype=object)
     for i, value in enumerate(values):  # item by item: equal-length lists must stay lists
         out[i] = value

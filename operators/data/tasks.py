@@ -21,6 +21,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from operators.data.tool_tasks import tool_add_extra_info, tool_add_sample
+
 
 @dataclass(frozen=True)
 class Task:
@@ -29,6 +31,8 @@ class Task:
     name: str
     description: str
     sample: Callable[[np.random.Generator], tuple[str, str]]
+    #: more ``extra_info`` for a row from its ``(prompt, answer)`` (e.g. ``tools_kwargs``)
+    extra_info: Callable[[str, str], dict] | None = None
 
 
 def _spaced(digits: Sequence[int]) -> str:
@@ -57,6 +61,8 @@ TASKS: dict[str, Task] = {
 }
 # DESIGN.md's examples say builtin:arith; it names the addition task.
 TASKS["arith"] = Task("arith", TASKS["add"].description, _add)
+TASKS["tool_add"] = Task("tool_add", "add two 2-digit numbers with the 'add' tool: '37+48=' -> '85' "
+                         "(for builtin:tiny-tools)", tool_add_sample, tool_add_extra_info)
 
 #: the task users get when they name none
 DEFAULT_TASK = "copy"
@@ -100,9 +106,10 @@ class TaskRows(Sequence[dict]):
             raise IndexError(f"row {i} out of range for a task of {self.size} rows")
         i = i % self.size
         prompt, answer = self.task.sample(np.random.default_rng((self.seed, i)))
+        extra = self.task.extra_info(prompt, answer) if self.task.extra_info else {}
         return {
             "prompt": [{"role": "user", "content": prompt}],
             "data_source": f"builtin:{self.task.name}",
             "reward_model": {"style": "rule", "ground_truth": answer},
-            "extra_info": {"index": i},
+            "extra_info": {"index": i, **extra},
         }

@@ -34,12 +34,13 @@ from transformers import (
 )
 
 from operators.models.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
+from operators.models.tiny_tools import build_tiny_tools_model, build_tiny_tools_tokenizer, tiny_tools_config
 from operators.models.value import ValueModel
 
 Head = Literal["causal_lm", "value", "reward"]
 DType = Union[str, torch.dtype]
 
-BUILTIN_MODELS = ("builtin:tiny",)
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-tools")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -98,6 +99,8 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     """
     if spec == "builtin:tiny":
         return build_tiny_tokenizer()
+    if spec == "builtin:tiny-tools":
+        return build_tiny_tools_tokenizer()
     path = _check_dir(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -134,22 +137,24 @@ def load_model(
     """
     torch_dtype = resolve_dtype(dtype)
     tokenizer = load_tokenizer(spec)
-    if spec == "builtin:tiny":
-        model = _build_tiny(head, seed)
+    if spec in BUILTIN_MODELS:
+        model = _build_tiny(spec, head, seed)
     else:
         model = _load_dir(_check_dir(spec), spec, head, seed, torch_dtype)
     return model.to(device=device, dtype=torch_dtype), tokenizer
 
 
-def _build_tiny(head: Head, seed: int) -> torch.nn.Module:
+def _build_tiny(spec: str, head: Head, seed: int) -> torch.nn.Module:
+    tools = spec == "builtin:tiny-tools"
     if head == "causal_lm":
-        return build_tiny_model(seed)
+        return build_tiny_tools_model(seed) if tools else build_tiny_model(seed)
+    config_fn = tiny_tools_config if tools else tiny_config
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if head == "value":
-            return ValueModel(LlamaModel(tiny_config()), head_seed=seed)
+            return ValueModel(LlamaModel(config_fn()), head_seed=seed)
         if head == "reward":
-            config = tiny_config()
+            config = config_fn()
             config.num_labels = 1
             return LlamaForSequenceClassification(config)
     raise ValueError(f"unknown head {head!r}; use 'causal_lm', 'value' or 'reward'")

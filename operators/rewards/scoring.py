@@ -166,12 +166,14 @@ def extra_metrics(extras: dict[str, list], prefix: str = "reward") -> dict[str, 
 
 
 def place_at_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``token_level_scores[B, R]``: each score at its response's last valid token, 0 elsewhere.
+    """``token_level_scores[B, R]``: each score at its response's last valid token (mask 1), 0 elsewhere.
 
     A response with no valid token gets nothing (its score is dropped).
     """
     token_level_scores = torch.zeros(response_mask.shape, dtype=torch.float32, device=response_mask.device)
-    lengths = response_mask.long().sum(-1)
-    rows = torch.nonzero(lengths > 0).squeeze(-1)
-    token_level_scores[rows, lengths[rows] - 1] = scores.to(token_level_scores)[rows]
+    valid = response_mask.long() > 0
+    rows = torch.nonzero(valid.any(-1)).squeeze(-1)
+    # the last valid position, not sum - 1: multi-turn masks have interior zeros (tool turns)
+    last = response_mask.shape[-1] - 1 - valid.flip(-1).long().argmax(-1)
+    token_level_scores[rows, last[rows]] = scores.to(token_level_scores)[rows]
     return token_level_scores

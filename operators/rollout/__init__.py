@@ -1,7 +1,11 @@
 """Rollout engines: prompts in, responses + masks + log-probs out.
 
 ``HFRolloutEngine`` (transformers, CPU or GPU) runs anywhere; ``SGLangRolloutEngine``
-needs a GPU and sglang, which it imports only when constructed.
+needs a GPU and sglang, which it imports only when constructed. The agent loop
+(``agent_loop``: multi-turn conversations with tools and environments, served
+by either engine) is the ``rollout.multi_turn`` operator (``agent_ops``); tools
+live in ``tools``, tool-call parsers in ``tool_parsers``, environments and
+simulated users in ``envs``.
 
 Example::
 
@@ -17,8 +21,11 @@ from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses,
 from operators.rollout.hf_engine import HFRolloutEngine, filter_top_k_top_p, sample_next_token
 from operators.rollout.sglang_engine import SGLangRolloutEngine  # imports sglang only when constructed
 from operators.rollout.ops import generate  # the rollout.generate operator
+from operators.rollout.agent_loop import AgentConfig, AgentLoop, Request, Trajectory
+from operators.rollout.agent_ops import multi_turn, agent_reward  # rollout.multi_turn, reward.agent
 
 __all__ = [
     "RolloutEngine", "SamplingParams", "pad_responses", "rollout_output",
     "HFRolloutEngine", "filter_top_k_top_p", "sample_next_token", "SGLangRolloutEngine", "generate",
+    "AgentConfig", "AgentLoop", "Request", "Trajectory", "multi_turn", "agent_reward",
 ]

@@ -50,7 +50,12 @@ class SGLangRolloutEngine(RolloutEngine):
 
     ``engine_kwargs`` go to ``sglang.Engine`` (``tp_size``, ``mem_fraction_static``,
     ``dtype``...). Token ids go in and come out: sglang's tokenizer is skipped.
+    The agent loop calls it per request (``generate_one`` → ``async_generate``):
+    sglang's scheduler batches the concurrent requests itself.
     """
+
+    #: the agent loop sends it single requests rather than batching them in front of it
+    serves_requests = True
 
     def __init__(
         self,

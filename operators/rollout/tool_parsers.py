@@ -1,0 +1,116 @@
+"""Tool-call parsers: the model's text → tool calls, and the calls it got wrong.
+
+A parser never raises on what a model writes: a malformed call comes back as a
+:class:`ToolCallError` (its ``kind`` names the mistake, its ``message`` is what
+the model is told), which the agent loop turns into a tool-error turn and a
+metric. Parsers are looked up by name in :data:`PARSERS`; register another
+format with :func:`register_parser`.
+
+The Hermes / Qwen format (``hermes``)::
+
+    >>> calls, errors = HermesToolParser().parse(
+    ...     'let me add <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>')
+    >>> calls, errors
+    ([ToolCall(name='add', arguments={'a': 1, 'b': 2})], [])
+    >>> HermesToolParser().parse('<tool_call>{"name": "add", "arguments": {"a": 1')[1][0].kind
+    'unclosed_tag'
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One well-formed call: the tool's name and its arguments (a JSON object)."""
+
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ToolCallError:
+    """A call the loop could not make: ``kind`` (a metric name) and the message sent back to the model.
+
+    Kinds: ``bad_json``, ``unclosed_tag``, ``bad_call`` (no name, arguments not
+    an object), ``unknown_tool``, ``bad_arguments``, ``tool_exception``,
+    ``timeout``, ``too_many_calls`` (and, counted by the loop, ``reward_exception``: a raising
+    ``calc_reward`` or ``release``).
+    """
+
+    kind: str
+    message: str
+
+    def as_text(self) -> str:
+        return f"Error: {self.message}"
+
+
+class ToolParser(abc.ABC):
+    """Finds tool calls in an assistant turn's text."""
+
+    @abc.abstractmethod
+    def parse(self, text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
+        """``(calls, errors)`` in the order they appear; both empty when the turn calls nothing."""
+
+
+PARSERS: dict[str, type[ToolParser]] = {}
+
+
+def register_parser(name: str) -> Callable[[type[ToolParser]], type[ToolParser]]:
+    """Class decorator: make a :class:`ToolParser` available as ``tool_parser: <name>``."""
+    def wrap(cls: type[ToolParser]) -> type[ToolParser]:
+        PARSERS[name] = cls
+        return cls
+    return wrap
+
+
+def get_parser(name: str) -> ToolParser:
+    """A new parser of the format ``name``; an error listing the known formats otherwise."""
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool_parser {name!r}; available: {', '.join(sorted(PARSERS))} "
+                         "(add one with operators.rollout.tool_parsers.register_parser)")
+    return PARSERS[name]()
+
+
+def call_from_json(payload: str) -> ToolCall | ToolCallError:
+    """``{"name": ..., "arguments": {...}}`` → a call; ``arguments`` may also be a JSON string of an object."""
+    try:
+        obj = json.loads(payload)
+    except json.JSONDecodeError as err:
+        return ToolCallError("bad_json", f"the tool call is not valid JSON ({err.msg} at char {err.pos})")
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return ToolCallError("bad_call", 'a tool call needs {"name": "<tool>", "arguments": {...}}')
+    arguments = obj.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return ToolCallError("bad_json", f"the arguments of {obj['name']!r} are not valid JSON")
+    if not isinstance(arguments, dict):
+        return ToolCallError("bad_call", f"the arguments of {obj['name']!r} must be a JSON object")
+    return ToolCall(obj["name"], arguments)
+
+
+@register_parser("hermes")
+class HermesToolParser(ToolParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, any number per turn (Hermes, Qwen2.5/3)."""
+
+    open_tag, close_tag = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
+        calls: list[ToolCall] = []
+        errors: list[ToolCallError] = []
+        pattern = re.compile(re.escape(self.open_tag) + r"(.*?)" + re.escape(self.close_tag), re.DOTALL)
+        end = 0
+        for match in pattern.finditer(text):
+            result = call_from_json(match.group(1).strip())
+            (calls if isinstance(result, ToolCall) else errors).append(result)
+            end = match.end()
+        if self.open_tag in text[end:]:
+            errors.append(ToolCallError("unclosed_tag", f"a {self.open_tag} was never closed with {self.close_tag}"))
+        return calls, errors
