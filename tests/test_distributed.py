@@ -380,3 +380,25 @@ def test_balance_ranks_keeps_groups_whole_and_tokens_even():
     loads = sorted(sum(tokens[i] for i in p) for p in parts)
     assert loads == [40, 53]  # the best split with whole groups: {40} | {33, 20}
     assert balance_ranks([5, 4, 3, 3, 2, 1], 3) == [[0, 5], [1, 4], [2, 3]]
+
+
+def test_export_cli_writes_a_loadable_directory_and_names_a_missing_step(tmp_path):
+    from typer.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from flowrl.cli import app
+
+    model, _ = single_process(steps=1, micro=ROWS, grad_clip=1.0, halves=False)
+    CheckpointStore(tmp_path / "run" / "checkpoints").save(
+        0, {"workers": {("train", 0): {"roles": {"actor": {"model": model.state_dict()}}, "versions": {}}},
+            "weights": {}}, meta={"graph": {"roles": {"actor": {"model": "builtin:tiny"}}}})
+    runner = CliRunner()
+    ok = runner.invoke(app, ["export", str(tmp_path / "run"), str(tmp_path / "hf")])
+    assert ok.exit_code == 0, ok.output
+    ids = make_batch(3)["input_ids"]
+    with torch.no_grad():
+        diff = (AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))(input_ids=ids).logits
+                - model(input_ids=ids).logits).abs().max()
+    assert float(diff) <= 1e-6
+    bad = runner.invoke(app, ["export", str(tmp_path / "run"), str(tmp_path / "x"), "--step", "5"])
+    assert bad.exit_code == 1 and "Traceback" not in bad.output
