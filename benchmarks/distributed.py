@@ -3,16 +3,18 @@
 Run from the repository root::
 
     python benchmarks/distributed.py            # ~3 min on 2 busy cores
-    python benchmarks/distributed.py --quick    # a smaller model, fewer steps
+    python benchmarks/distributed.py --quick    # a 5M-parameter model
 
 Each configuration runs in fresh processes (spawned, one torch thread each,
 gloo on loopback): the model is built, sharded over the ranks
-(:func:`operators.models.fsdp.shard_model`; a pool of one is left whole), and
+(:func:`operators.models.fsdp.build_sharded`: only rank 0 builds the full
+model; a pool of one is left whole), and
 takes ``--steps`` AdamW updates on the same batch split by
 :func:`flowrl.data.balance.balance_ranks`, with the loss normalised by the
 all-reduced token count (:func:`operators.models.data_parallel.data_parallel_step`).
-Per rank it reports the median step time (after one warm-up step), the peak
-resident memory during the steps (Linux ``VmHWM``, reset before the steps), the
+Per rank it reports the median step time after one warm-up step, the peak
+resident memory of those steps (Linux ``VmHWM``, reset after the warm-up) and
+how far it rises above the resident memory between steps, the
 bytes of parameters and optimizer state the rank holds, and the time to gather
 the full weights onto rank 0 (:func:`operators.models.fsdp.full_state_dict`).
 Ratios are 2 workers / 1 worker from the same run. On 2 shared cores a speed-up
@@ -68,7 +70,7 @@ def rank_main(rank: int, world: int, args, addresses, results) -> None:
     from flowrl.runtime.distributed import PoolGroup, listen
     from operators.models import build_optimizer, response_log_probs
     from operators.models.data_parallel import LossNorm, data_parallel_step
-    from operators.models.fsdp import full_state_dict, shard_model, state_bytes
+    from operators.models.fsdp import build_sharded, full_state_dict, state_bytes
 
     if world == 1:
         group = PoolGroup.single("train")
@@ -79,8 +81,11 @@ def rank_main(rank: int, world: int, args, addresses, results) -> None:
         group = PoolGroup.join("train", 0, world, f"127.0.0.1:{listener.getsockname()[1]}", listener=listener)
     else:
         group = PoolGroup.join("train", rank, world, addresses.get())
-    torch.manual_seed(0)
-    model = shard_model(LlamaForCausalLM(model_config(args.quick)), group)
+    def build():
+        torch.manual_seed(0)
+        return LlamaForCausalLM(model_config(args.quick))
+
+    model = build_sharded(build, group)  # only rank 0 ever holds the full model
     optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-5})
     batch = make_batch(args.rows, args.prompt, args.response)
     mine = balance_ranks(batch["response_mask"].sum(-1).tolist(), world)[rank]
@@ -94,14 +99,16 @@ def rank_main(rank: int, world: int, args, addresses, results) -> None:
         return loss, {}
 
     times = []
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak-RSS counter: measure the steps, not the start-up
-    resident = _status_kib("VmRSS") * 1024
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        if step == 1:  # after the warm-up step (it allocates the optimizer state): steady state
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset the peak-RSS counter
+            resident = _status_kib("VmRSS") * 1024
         group.barrier("step start")
         start = time.perf_counter()
         norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
-        data_parallel_step(model, optimizer, mbs, loss_fn, group, norm=norm, grad_clip=1.0)
+        data_parallel_step(model, optimizer, mbs, loss_fn, group, norm=norm, grad_clip=1.0,
+                           reduce_once=args.reduce_once)
         group.barrier("step end")
         times.append(time.perf_counter() - start)
     peak = _status_kib("VmHWM") * 1024
@@ -130,15 +137,17 @@ def run(world: int, args) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a 5M-parameter model and 2 steps")
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="a 5M-parameter model")
+    parser.add_argument("--reduce-once", action="store_true",
+                        help="one reduce-scatter per step instead of one per micro-batch")
+    parser.add_argument("--steps", type=int, default=3, help="updates, the first a warm-up (at least 2)")
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--response", type=int, default=32)
     args = parser.parse_args()
-    if args.quick:
-        args.steps = 2
+    if args.steps < 2:
+        parser.error("--steps: at least 2 (the first is a warm-up)")
     one, two = run(1, args), run(2, args)
     base = one[0]
     rows = []
@@ -158,8 +167,7 @@ def main() -> None:
          "gather full weights"], rows,
         notes=["ratios: against 1 worker, measured in the same run; gather time on rank 0 (the other ranks "
                "take part in the collective)",
-               "peak RSS includes torch itself (~0.3-0.5 GiB per process) and, on 2 workers, each rank's "
-               "full copy built before sharding (init on the meta device is future work)",
+               "peak RSS: steady-state steps after a warm-up, torch itself included (~0.3-0.5 GiB per process)",
                f"machine: {os.cpu_count()} cores shared with other work; a speed-up is not expected"])
 
 

@@ -20,7 +20,8 @@ from flowrl.runtime.distributed import CollectiveError, PoolGroup, backend_for, 
 from operators.models import build_optimizer, load_model, response_log_probs, response_values
 from operators.models.data_parallel import LossNorm, data_parallel_step
 from operators.models.export import ExportError, checkpoint_weights, export_hf
-from operators.models.fsdp import full_state_dict, shard_model, state_bytes, unsharded
+from operators.models.fsdp import build_sharded, full_state_dict, shard_model, state_bytes, unsharded
+from operators.models.tiny import build_tiny_model
 from operators.models.sharded_checkpoint import load_sharded, save_sharded
 
 ray = pytest.importorskip("ray")
@@ -189,6 +190,15 @@ def train_one(model, optimizer, group, pick_rows):
                        norm=norm, grad_clip=1.0)
 
 
+def _build_and_step(state):
+    group = state["group"]
+    model = build_sharded(lambda: build_tiny_model(seed=0 if group.rank == 0 else 5), group)
+    built = full_state_dict(model, group)
+    optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-3})
+    train_one(model, optimizer, group, rank_rows(99)[group.rank])
+    return built, full_state_dict(model, group), state_bytes(model)
+
+
 def _values(state, ids):
     group = state["group"]
     critic, _ = load_model("builtin:tiny", head="value", seed=group.rank)
@@ -244,6 +254,17 @@ def test_unsharded_rollout_runs_on_full_weights_and_reports_memory(ranks):
         assert memory.full_bytes == full
         assert memory.taken_bytes == full - before > 0
         assert after == before  # resharded on exit
+
+
+def test_a_model_built_on_rank_0_only_trains_like_one_process(ranks):
+    (built, stepped, held), (_, _, held1) = on_ranks(ranks, _build_and_step)
+    model, optimizer = fresh()
+    assert max_diff(built, model.state_dict()) == 0.0
+    train_one(model, optimizer, PoolGroup.single(POOL), list(range(ROWS)))
+    assert max_diff(stepped, model.state_dict()) <= 1e-5
+    full = sum(p.numel() * 4 for p in model.parameters())
+    for rank_held in (held, held1):
+        assert rank_held["params"] == pytest.approx(full / 2, rel=0.02)
 
 
 def test_sharded_value_model_gives_rank0_values(ranks):

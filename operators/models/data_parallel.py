@@ -58,13 +58,17 @@ LossFn = Callable[[Any, LossNorm], "tuple[torch.Tensor, dict[str, Any]]"]
 
 def data_parallel_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                        micro_batches: Sequence[Any], loss_fn: LossFn, group: Group, *,
-                       norm: LossNorm, grad_clip: float | None) -> dict[str, float]:
+                       norm: LossNorm, grad_clip: float | None,
+                       reduce_once: bool = False) -> dict[str, float]:
     """Accumulate ``loss_fn`` over this rank's ``micro_batches``, reduce, clip, step.
 
     Every rank runs as many forward/backward passes as the rank with the most
     micro-batches (FSDP2's collectives must line up); a rank with fewer repeats
     its last micro-batch with a zero loss weight, which adds nothing to the
-    gradient. Gradients are reduced across ranks once, after the last pass.
+    gradient. Gradients are reduce-scattered after every pass, so a rank only
+    ever holds its shard of them (verl's FSDP workers do the same);
+    ``reduce_once=True`` reduces once, after the last pass: less traffic, but
+    full-size gradients are held between passes.
     Returns this rank's metrics averaged over its real micro-batches, plus
     ``grad_norm`` (global, before clipping).
     """
@@ -78,9 +82,9 @@ def data_parallel_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     optimizer.zero_grad(set_to_none=True)
     with group.guard("update: forward/backward"):
         for i in range(passes):
-            last = i == passes - 1
+            sync = not reduce_once or i == passes - 1
             for unit in units:
-                unit.set_requires_gradient_sync(last, recurse=False)
+                unit.set_requires_gradient_sync(sync, recurse=False)
             real = i < len(micro_batches)
             loss, metrics = loss_fn(micro_batches[min(i, len(micro_batches) - 1)], norm)
             (loss if real else loss * 0.0).backward()

@@ -9,6 +9,7 @@ one leaves the model as it is, so the caller writes one code path.
 
 - :func:`shard_model`: rank 0's weights broadcast to every rank, then sharded;
   gradients are reduced with SUM (the loss carries the global normaliser).
+- :func:`build_sharded`: the same, but only rank 0 ever builds the full model.
 - :func:`full_state_dict`: the full weights, gathered by all ranks, kept on rank 0.
 - :func:`unsharded`: full parameters inside a block (a colocated rollout), sharded after.
 - :func:`state_bytes`: what this rank holds of parameters and optimizer state.
@@ -27,10 +28,10 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, Protocol
+from typing import Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -72,9 +73,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def shard_model(model: torch.nn.Module, group: Group, *, reshard_after_forward: bool = True) -> torch.nn.Module:
     """Make every rank's weights rank 0's, then shard ``model`` in place over ``group.mesh``.
 
-    Returns the same module (now an ``FSDPModule``); build the optimizer after
-    this, over its (sharded) parameters. Gradients are summed across ranks, not
-    averaged: normalise the loss by the global token count
+    For a model every rank has loaded in full (from a directory). Returns the
+    same module (now an ``FSDPModule``); build the optimizer after this, over
+    its (sharded) parameters. Gradients are summed across ranks, not averaged:
+    normalise the loss by the global token count
     (:class:`operators.models.data_parallel.LossNorm`).
     """
     if group.world_size == 1:
@@ -82,6 +84,51 @@ def shard_model(model: torch.nn.Module, group: Group, *, reshard_after_forward: 
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             group.broadcast(tensor.data, src=0, name="initial weights from rank 0")
+    return _fully_shard(model, group, reshard_after_forward)
+
+
+def build_sharded(build: Callable[[], torch.nn.Module], group: Group, *,
+                  reshard_after_forward: bool = True) -> torch.nn.Module:
+    """``build()`` on rank 0; every other rank builds on the meta device and receives only its shards.
+
+    No rank but 0 ever holds the full weights, so a model too large for one
+    process's memory twice over still starts. ``build`` must construct the
+    model without moving it (``LlamaForCausalLM(config)``, not ``.to("cpu")``).
+    Buffers (rotary frequencies) are copied from rank 0 too.
+
+    Example::
+
+        model = build_sharded(lambda: build_tiny_model(seed=0), group)
+    """
+    if group.world_size == 1:
+        return build()
+    if group.rank == 0:
+        model = build()
+        full = model.state_dict()  # holds the full tensors past sharding, until they are sent
+    else:
+        with torch.device("meta"):
+            model = build()
+        full = {}
+    _fully_shard(model, group, reshard_after_forward)
+    if group.rank != 0:
+        model.to_empty(device=_device(group))
+    with group.guard("initial weights from rank 0"):
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
+                                                                   broadcast_from_rank0=True))
+    with torch.no_grad():
+        for buffer in model.buffers():
+            group.broadcast(buffer, src=0, name="initial buffers from rank 0")
+    return model
+
+
+def _device(group: Group) -> torch.device:
+    mesh = group.mesh
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _fully_shard(model: torch.nn.Module, group: Group, reshard_after_forward: bool) -> torch.nn.Module:
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=group.mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=group.mesh, reshard_after_forward=reshard_after_forward)
