@@ -14,7 +14,7 @@ takes ``--steps`` AdamW updates on the same batch split by
 all-reduced token count (:func:`operators.models.data_parallel.data_parallel_step`).
 Per rank it reports the median step time after one warm-up step, the peak
 resident memory of those steps (Linux ``VmHWM``, reset after the warm-up) and
-how far it rises above the resident memory between steps, the
+how far it rises above the process's memory before the model was built, the
 bytes of parameters and optimizer state the rank holds, and the time to gather
 the full weights onto rank 0 (:func:`operators.models.fsdp.full_state_dict`).
 Ratios are 2 workers / 1 worker from the same run. On 2 shared cores a speed-up
@@ -24,6 +24,7 @@ is not expected; what a rank holds is the figure that matters.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -81,6 +82,8 @@ def rank_main(rank: int, world: int, args, addresses, results) -> None:
         group = PoolGroup.join("train", 0, world, f"127.0.0.1:{listener.getsockname()[1]}", listener=listener)
     else:
         group = PoolGroup.join("train", rank, world, addresses.get())
+    started = _status_kib("VmRSS") * 1024  # torch, gloo and the group, before any model memory
+
     def build():
         torch.manual_seed(0)
         return LlamaForCausalLM(model_config(args.quick))
@@ -101,9 +104,9 @@ def rank_main(rank: int, world: int, args, addresses, results) -> None:
     times = []
     for step in range(args.steps):
         if step == 1:  # after the warm-up step (it allocates the optimizer state): steady state
+            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand back what building the model freed
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset the peak-RSS counter
-            resident = _status_kib("VmRSS") * 1024
         group.barrier("step start")
         start = time.perf_counter()
         norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
@@ -118,7 +121,7 @@ def rank_main(rank: int, world: int, args, addresses, results) -> None:
     gather = time.perf_counter() - start
     held = state_bytes(model, optimizer)
     results.put({"world": world, "rank": rank, "step_s": statistics.median(times[1:] or times),
-                 "peak": peak, "resident": resident, "params": held["params"], "optim": held["optimizer"],
+                 "peak": peak, "started": started, "params": held["params"], "optim": held["optimizer"],
                  "gather_s": gather, "n_params": sum(p.numel() for p in model.parameters())})
     group.close()
 
@@ -155,7 +158,7 @@ def main() -> None:
         label = f"{r['world']} worker{'s' if r['world'] > 1 else ''}, rank {r['rank']}"
         rows.append([label, f"{r['step_s']:.2f} s ({r['step_s'] / base['step_s']:.2f}x)",
                      f"{r['peak'] / MIB:.0f} MiB ({r['peak'] / base['peak']:.2f}x)",
-                     f"{(r['peak'] - r['resident']) / MIB:.0f} MiB",
+                     f"{(r['peak'] - r['started']) / MIB:.0f} MiB ({(r['peak'] - r['started']) / (base['peak'] - base['started']):.2f}x)",
                      f"{r['params'] / MIB:.1f} MiB ({r['params'] / base['params']:.2f}x)",
                      f"{r['optim'] / MIB:.1f} MiB ({r['optim'] / base['optim']:.2f}x)",
                      f"{r['gather_s'] * 1e3:.0f} ms" + ("" if r["rank"] else f" ({r['gather_s'] / base['gather_s']:.1f}x)")])
@@ -163,11 +166,12 @@ def main() -> None:
     print_table(
         f"one update step, {n / 1e6:.1f}M-parameter Llama, {args.rows} rows x {args.prompt}+{args.response} "
         f"tokens, micro-batch {args.micro}, AdamW fp32, 1 torch thread per rank",
-        ["configuration", "step time", "peak RSS", "step peak over resident", "params held", "optimizer held",
+        ["configuration", "step time", "peak RSS", "peak RSS above start", "params held", "optimizer held",
          "gather full weights"], rows,
         notes=["ratios: against 1 worker, measured in the same run; gather time on rank 0 (the other ranks "
                "take part in the collective)",
-               "peak RSS: steady-state steps after a warm-up, torch itself included (~0.3-0.5 GiB per process)",
+               "peak RSS: steady-state steps after a warm-up; 'above start': minus the process's RSS after "
+               "importing torch and joining the group, before the model is built",
                f"machine: {os.cpu_count()} cores shared with other work; a speed-up is not expected"])
 
 

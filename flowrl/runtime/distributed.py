@@ -39,6 +39,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from flowrl.runtime.errors import RuntimeFailure
 
@@ -169,8 +170,6 @@ class PoolGroup:
         if self.world_size == 1:
             return None
         if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
             self._mesh = init_device_mesh(self.device_type, (self.world_size,))
         return self._mesh
 
