@@ -18,7 +18,7 @@ from flowrl.data.balance import balance_ranks
 from flowrl.runtime.checkpoint import CheckpointStore
 from flowrl.runtime.distributed import CollectiveError, PoolGroup, backend_for, listen
 from operators.models import build_optimizer, load_model, response_log_probs, response_values
-from operators.models.data_parallel import LossNorm, data_parallel_step
+from operators.models.data_parallel import LossNorm, data_parallel_forward, data_parallel_step
 from operators.models.export import ExportError, checkpoint_weights, export_hf
 from operators.models.fsdp import build_sharded, full_state_dict, shard_model, state_bytes, unsharded
 from operators.models.tiny import build_tiny_model
@@ -199,6 +199,24 @@ def _build_and_step(state):
     return built, full_state_dict(model, group), state_bytes(model)
 
 
+def _uneven_step_and_forward(state, my_rows):
+    """Rank 0 holds 5 rows (3 micro-batches of 2), rank 1 holds 3 (2 micro-batches)."""
+    group = state["group"]
+    model, optimizer = fresh(group)
+    batch = make_batch(7)
+    mbs = micro_batches(rows(batch, my_rows), 2)
+    norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
+    data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), group,
+                       norm=norm, grad_clip=1.0)
+    log_probs = data_parallel_forward(mbs, lambda mb: pg_log_probs(model, mb), group)
+    return full_state_dict(model, group), torch.cat(log_probs)
+
+
+def pg_log_probs(model, mb):
+    positions = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return response_log_probs(model, mb["input_ids"], mb["attention_mask"], positions, RESPONSE)[0]
+
+
 def _values(state, ids):
     group = state["group"]
     critic, _ = load_model("builtin:tiny", head="value", seed=group.rank)
@@ -254,6 +272,21 @@ def test_unsharded_rollout_runs_on_full_weights_and_reports_memory(ranks):
         assert memory.full_bytes == full
         assert memory.taken_bytes == full - before > 0
         assert after == before  # resharded on exit
+
+
+def test_ranks_with_different_micro_batch_counts_step_and_score_like_one_process(ranks):
+    parts = [[0, 1, 2, 3, 4], [5, 6, 7]]
+    (weights, lp0), (_, lp1) = on_ranks(ranks, _uneven_step_and_forward, parts)
+    assert (len(lp0), len(lp1)) == (5, 3)  # one output row per real row: the padding passes are dropped
+    model, optimizer = fresh()
+    mbs = [rows(make_batch(7), list(range(ROWS)))]
+    norm = LossNorm.of([mb["response_mask"] for mb in mbs])
+    data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), PoolGroup.single(POOL),
+                       norm=norm, grad_clip=1.0)
+    assert max_diff(weights, model.state_dict()) <= 1e-5
+    with torch.no_grad():
+        expected = pg_log_probs(model, mbs[0])
+    assert float((torch.cat([lp0, lp1]) - expected).abs().max()) <= 1e-5
 
 
 def test_a_model_built_on_rank_0_only_trains_like_one_process(ranks):

@@ -12,6 +12,9 @@ The loss function has the signature ``TrainableRole.fit`` uses,
 ``loss_fn(micro_batch, norm) -> (loss, metrics)``: token-mean divides by
 ``norm.tokens``, seq-mean modes by ``norm.seqs``.
 
+Forward-only operators use :func:`data_parallel_forward`: the same pass
+count on every rank, no gradients.
+
 Example (every rank of the pool runs the same call on its own rows)::
 
     norm = LossNorm.of([mb["response_mask"] for mb in micro_batches], group)
@@ -53,6 +56,32 @@ class LossNorm:
         return cls(tokens=max(float(counts[0]), 1.0), seqs=max(float(counts[1]), 1.0))
 
 
+def pass_count(micro_batches: Sequence[Any], group: Group) -> int:
+    """How many passes every rank runs: the most micro-batches any rank holds (one all-reduce)."""
+    if not micro_batches:
+        raise ValueError(f"rank {group.rank}: no rows for this rank; give every rank at least one row "
+                         f"(FSDP2 needs every rank in every forward)")
+    count = torch.tensor([len(micro_batches)], dtype=torch.int64)
+    return int(group.all_reduce(count, name="micro-batch count", op="max"))
+
+
+def data_parallel_forward(micro_batches: Sequence[Any], forward: Callable[[Any], Any], group: Group) -> list[Any]:
+    """``forward(mb)`` without gradients for each of this rank's micro-batches (log-probs, values).
+
+    Every rank runs as many passes as the busiest one (a sharded model's
+    forward is a collective); the outputs of the extra passes are dropped, so
+    the result has one entry per micro-batch of this rank.
+    """
+    passes = pass_count(micro_batches, group)
+    outputs = []
+    with torch.no_grad(), group.guard("forward-only passes"):
+        for i in range(passes):
+            out = forward(micro_batches[min(i, len(micro_batches) - 1)])
+            if i < len(micro_batches):
+                outputs.append(out)
+    return outputs
+
+
 LossFn = Callable[[Any, LossNorm], "tuple[torch.Tensor, dict[str, Any]]"]
 
 
@@ -72,10 +101,7 @@ def data_parallel_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     Returns this rank's metrics averaged over its real micro-batches, plus
     ``grad_norm`` (global, before clipping).
     """
-    if not micro_batches:
-        raise ValueError(f"rank {group.rank}: no rows for this rank; give every rank at least one row")
-    passes = int(group.all_reduce(torch.tensor([len(micro_batches)], dtype=torch.int64),
-                                  name="micro-batch count", op="max"))
+    passes = pass_count(micro_batches, group)
     units = fsdp_units(model)
     totals: dict[str, list[float]] = {}
     model.train()
