@@ -149,9 +149,11 @@ class PoolGroup:
         # gloo binds its own sockets to the interface that reaches `host`; keep them on loopback too
         if host in ("127.0.0.1", "localhost"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # the store takes the socket over: detach it, or Python closes the fd under the store when
+        # the socket object is collected (and a later socket reusing the number gets closed with it)
         store = dist.TCPStore(host, int(port), world_size, rank == 0, timeout=join_timeout,
                               wait_for_workers=False,
-                              master_listen_fd=listener.fileno() if listener is not None else None)
+                              master_listen_fd=listener.detach() if listener is not None else None)
         group = cls(pool, rank, world_size, timeout_s, store,
                     device_type or ("cuda" if torch.cuda.is_available() else "cpu"))
         store.set(f"proc/{rank}", f"{socket.gethostname()}\t{os.getpid()}")

@@ -174,12 +174,14 @@ def tied_parameters(model: torch.nn.Module) -> list[list[str]]:
 
 @dataclass
 class MemoryChange:
-    """What entering :func:`unsharded` took (and leaving it frees) on this rank."""
+    """What entering :func:`unsharded` took and leaving it freed, on this rank."""
 
     sharded_bytes: int
     full_bytes: int
     #: device memory actually allocated on entry (CUDA only; 0 on CPU)
     device_bytes: int = 0
+    #: parameter bytes released on leaving (set on exit)
+    freed_bytes: int = 0
 
     @property
     def taken_bytes(self) -> int:
@@ -213,6 +215,7 @@ def unsharded(model: torch.nn.Module, group: Group) -> Iterator[MemoryChange]:
         for unit in units:
             unit.reshard()
             unit.set_reshard_after_forward(True, recurse=False)
+        change.freed_bytes = change.full_bytes - state_bytes(model)["params"]
 
 
 def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
