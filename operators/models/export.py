@@ -42,7 +42,7 @@ def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
                    key=lambda p: int(p.name.split("_")[1])) if root.is_dir() else []
     if not found:
         raise ExportError(f"{root}: no complete checkpoint (a step_<K> directory with meta.json); "
-                          f"run with trainer.checkpoint_every set, or pass the run directory itself")
+                          f"pass a run directory (trainer.out) of a run with trainer.checkpoint_every set")
     if step is None:
         return found[-1]
     for path in found:
