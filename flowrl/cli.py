@@ -211,6 +211,24 @@ def run(
     console.print(f"[green]done[/]: metrics in {trainer.out / 'metrics.jsonl'}")
 
 
+@app.command()
+def export(
+    run_dir: str = typer.Argument(..., help="a run directory (trainer.out) holding checkpoints/"),
+    out_dir: str = typer.Argument(..., help="where to write the Hugging Face model directory"),
+    step: Optional[int] = typer.Option(None, "--step", help="the checkpoint after K steps (default: the newest)"),
+    role: str = typer.Option("actor", "--role", help="which role's weights to export"),
+) -> None:
+    """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint."""
+    from operators.models.export import ExportError, export_hf
+
+    try:
+        path = export_hf(run_dir, out_dir, step=step, role=role)
+    except (ExportError, OSError, ValueError) as e:
+        err_console.print(f"[bold red]error[/] {_escape(str(e))}")
+        raise typer.Exit(1) from None
+    console.print(f"[green]exported[/] {role} to {path} (load it with AutoModelForCausalLM.from_pretrained)")
+
+
 @app.callback(invoke_without_command=True)
 def main_options(
     ctx: typer.Context,

@@ -1,0 +1,461 @@
+"""Training across a pool's ranks: FSDP2 on a gloo group of two Ray actors, against one process.
+
+The two ranks are started once for the module (importing torch takes seconds
+per process) and run the module's functions sent to them. Every result is
+compared with a single process doing the same work — never FSDP with FSDP.
+The tests that break the group (a hung and a killed rank) run last.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from flowrl.data.balance import balance_ranks
+from flowrl.runtime.checkpoint import CheckpointStore
+from flowrl.runtime.distributed import CollectiveError, PoolGroup, backend_for, listen
+from operators.models import build_optimizer, load_model, response_log_probs, response_values
+from operators.models.data_parallel import LossNorm, data_parallel_forward, data_parallel_step
+from operators.models.export import ExportError, checkpoint_weights, export_hf
+from operators.models.fsdp import build_sharded, full_state_dict, shard_model, state_bytes, unsharded
+from operators.models.tiny import build_tiny_model
+from operators.models.sharded_checkpoint import load_sharded, save_sharded
+
+ray = pytest.importorskip("ray")
+
+POOL = "train"
+PROMPT, RESPONSE, ROWS = 4, 6, 8
+
+
+# ---------------------------------------------------------------- the two ranks
+
+
+class Rank:
+    """One rank of the test pool: joins the group, runs the functions it is sent."""
+
+    def __init__(self, rank: int):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+        torch.set_num_threads(1)
+        self.rank, self.state, self.listener = rank, {}, None
+
+    def listen(self) -> str:
+        self.listener = listen()
+        return f"127.0.0.1:{self.listener.getsockname()[1]}"
+
+    def join(self, address: str, timeout_s: float) -> int:
+        if "group" in self.state:  # a group the previous test left behind
+            self.leave()
+        self.state["group"] = PoolGroup.join(POOL, self.rank, 2, address, timeout_s=timeout_s,
+                                             listener=self.listener)
+        self.listener = None
+        return os.getpid()
+
+    def leave(self) -> None:
+        self.state.pop("group").close()
+
+    def run(self, fn, *args):
+        return fn(self.state, *args)
+
+
+def form_group(actors, timeout_s: float = 120.0) -> list[int]:
+    address = ray.get(actors[0].listen.remote())
+    return ray.get([a.join.remote(address, timeout_s) for a in actors])
+
+
+@pytest.fixture(scope="module")
+def ranks(ray_session):
+    actors = [ray.remote(num_cpus=1)(Rank).remote(r) for r in range(2)]
+    form_group(actors)
+    yield actors
+    for a in actors:  # the session's Ray has 2 CPUs: give them back to the other modules
+        ray.kill(a)
+
+
+def on_ranks(actors, fn, *per_rank_args):
+    """``fn(state, *args)`` on both ranks; ``per_rank_args[i]`` is a list with one value per rank."""
+    return ray.get([a.run.remote(fn, *(arg[r] for arg in per_rank_args)) for r, a in enumerate(actors)])
+
+
+# ---------------------------------------------------------------- the batch and the loss
+
+
+def make_batch(step: int) -> dict[str, torch.Tensor]:
+    """Ragged responses: row i has a random number (1..RESPONSE) of real tokens."""
+    gen = torch.Generator().manual_seed(100 + step)
+    input_ids = torch.randint(4, 29, (ROWS, PROMPT + RESPONSE), generator=gen)
+    lengths = torch.randint(1, RESPONSE + 1, (ROWS,), generator=gen)
+    response_mask = (torch.arange(RESPONSE)[None, :] < lengths[:, None]).long()
+    attention_mask = torch.cat([torch.ones(ROWS, PROMPT, dtype=torch.long), response_mask], dim=1)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask,
+            "advantages": torch.randn(ROWS, RESPONSE, generator=gen)}
+
+
+def rows(batch: dict[str, torch.Tensor], index) -> dict[str, torch.Tensor]:
+    index = torch.as_tensor(index)
+    return {k: v[index] for k, v in batch.items()}
+
+
+def micro_batches(batch: dict[str, torch.Tensor], size: int) -> list[dict[str, torch.Tensor]]:
+    n = len(batch["input_ids"])
+    return [rows(batch, list(range(s, min(s + size, n)))) for s in range(0, n, size)]
+
+
+def pg_loss(model, mb, norm: LossNorm):
+    """Token-mean policy-gradient loss over the whole mini-batch: sum over my tokens / global tokens."""
+    positions = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    log_probs, _ = response_log_probs(model, mb["input_ids"], mb["attention_mask"], positions, RESPONSE)
+    loss = -(log_probs * mb["advantages"] * mb["response_mask"]).sum() / norm.tokens
+    return loss, {"loss": loss.detach()}
+
+
+def rank_rows(step: int) -> list[list[int]]:
+    batch = make_batch(step)
+    return balance_ranks(batch["response_mask"].sum(-1).tolist(), world=2)
+
+
+def train(model, optimizer, group, steps: int, pick, micro: int, grad_clip):
+    """``steps`` data-parallel updates; ``pick(step)`` is this process's rows of the step's batch."""
+    for step in range(steps):
+        mbs = micro_batches(rows(make_batch(step), pick(step)), micro)
+        norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
+        data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), group,
+                           norm=norm, grad_clip=grad_clip)
+
+
+def fresh(group=None, seed: int = 0, lr: float = 1e-3):
+    model, _ = load_model("builtin:tiny", seed=seed)
+    if group is not None:
+        model = shard_model(model, group)
+    optimizer, _ = build_optimizer(model.parameters(), {"lr": lr})
+    return model, optimizer
+
+
+def single_process(steps: int, micro: int, grad_clip, halves: bool):
+    """The reference: one process, the whole batch (or rank 0's rows then rank 1's)."""
+    group = PoolGroup.single(POOL)
+    model, optimizer = fresh()
+    if halves:  # each rank's rows as one micro-batch, rank 0 first: what FSDP sums
+        for step in range(steps):
+            batch = make_batch(step)
+            mbs = [rows(batch, part) for part in rank_rows(step)]
+            norm = LossNorm.of([mb["response_mask"] for mb in mbs])
+            data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), group,
+                               norm=norm, grad_clip=grad_clip)
+    else:
+        train(model, optimizer, group, steps, lambda step: list(range(ROWS)), micro, grad_clip)
+    return model, optimizer
+
+
+# ---------------------------------------------------------------- functions run on the ranks
+
+
+def _train_on_rank(state, steps, micro, grad_clip):
+    group = state["group"]
+    # different seeds per rank: only the broadcast from rank 0 makes them start equal
+    model, optimizer = fresh(group, seed=group.rank)
+    train(model, optimizer, group, steps, lambda step: rank_rows(step)[group.rank], micro, grad_clip)
+    state["model"], state["optimizer"] = model, optimizer
+    return full_state_dict(model, group), state_bytes(model, optimizer)
+
+
+def _unsharded_rollout(state, ids):
+    _train_on_rank(state, 3, ROWS, None)  # the weights of the bit-for-bit test
+    group, model = state["group"], state["model"]
+    mask = torch.ones_like(ids)
+    before = state_bytes(model)["params"]
+    with unsharded(model, group) as memory, torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return logits, out, memory, before, state_bytes(model)["params"]
+
+
+def _save(state, path):
+    save_sharded(path, state["model"], state["optimizer"], state["group"], meta={"updates": 3})
+
+
+def _load_and_step(state, path, pick_rows):
+    group = state["group"]
+    model, optimizer = fresh(group, seed=7)
+    meta = load_sharded(path, model, optimizer, group)
+    loaded = full_state_dict(model, group)
+    train_one(model, optimizer, group, pick_rows)
+    return meta, loaded, full_state_dict(model, group)
+
+
+def train_one(model, optimizer, group, pick_rows):
+    batch = make_batch(99)
+    mbs = micro_batches(rows(batch, pick_rows), 3)
+    norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
+    data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), group,
+                       norm=norm, grad_clip=1.0)
+
+
+def _build_and_step(state):
+    group = state["group"]
+    model = build_sharded(lambda: build_tiny_model(seed=0 if group.rank == 0 else 5), group)
+    built = full_state_dict(model, group)
+    optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-3})
+    train_one(model, optimizer, group, rank_rows(99)[group.rank])
+    return built, full_state_dict(model, group), state_bytes(model)
+
+
+def _uneven_step_and_forward(state, my_rows):
+    """Rank 0 holds 5 rows (3 micro-batches of 2), rank 1 holds 3 (2 micro-batches)."""
+    group = state["group"]
+    model, optimizer = fresh(group)
+    batch = make_batch(7)
+    mbs = micro_batches(rows(batch, my_rows), 2)
+    norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
+    data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), group,
+                       norm=norm, grad_clip=1.0)
+    log_probs = data_parallel_forward(mbs, lambda mb: pg_log_probs(model, mb), group)
+    return full_state_dict(model, group), torch.cat(log_probs)
+
+
+def pg_log_probs(model, mb):
+    positions = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return response_log_probs(model, mb["input_ids"], mb["attention_mask"], positions, RESPONSE)[0]
+
+
+def _values(state, ids):
+    group = state["group"]
+    critic, _ = load_model("builtin:tiny", head="value", seed=group.rank)
+    critic = shard_model(critic, group)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        return response_values(critic, ids, mask, mask.cumsum(-1) - 1, RESPONSE)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_two_rank_update_equals_one_process_on_the_whole_batch(ranks):
+    (weights, bytes0), (none, bytes1) = on_ranks(ranks, _train_on_rank, [3, 3], [2, 2], [1.0, 1.0])
+    assert none is None  # the full weights land on rank 0 only
+    model, _ = single_process(steps=3, micro=ROWS, grad_clip=1.0, halves=False)
+    reference = {k: v.detach() for k, v in model.state_dict().items()}
+    start, _ = load_model("builtin:tiny", seed=0)
+    assert max_diff(reference, start.state_dict()) > 1e-3  # the steps moved the weights
+    assert max_diff(weights, reference) <= 1e-5
+    # each rank holds half of the parameters and of the optimizer state
+    full = sum(v.numel() * 4 for v in start.parameters())
+    for held in (bytes0, bytes1):
+        assert held["params"] == pytest.approx(full / 2, rel=0.02)
+        assert held["optimizer"] == pytest.approx(2 * full / 2, rel=0.02)
+
+
+def test_two_rank_update_equals_one_process_accumulating_the_halves_bit_for_bit(ranks):
+    (weights, _), _ = on_ranks(ranks, _train_on_rank, [3, 3], [ROWS, ROWS], [None, None])
+    model, _ = single_process(steps=3, micro=ROWS, grad_clip=None, halves=True)
+    reference = model.state_dict()
+    for k in reference:
+        assert torch.equal(weights[k], reference[k]), k
+
+
+def test_unsharded_rollout_runs_on_full_weights_and_reports_memory(ranks):
+    ids = torch.tensor([[1, 20, 7, 11, 16], [1, 21, 8, 12, 16]])
+    results = on_ranks(ranks, _unsharded_rollout, [ids, ids])
+    model, _ = single_process(steps=3, micro=ROWS, grad_clip=None, halves=True)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                             do_sample=False, pad_token_id=0)
+    full = sum(p.numel() * 4 for p in model.parameters())
+    for got_logits, got_out, memory, before, after in results:
+        assert float((got_logits - logits).abs().max()) <= 1e-5
+        assert torch.equal(got_out, out)
+        assert memory.full_bytes == full
+        assert memory.taken_bytes == full - before > 0
+        assert after == before and memory.freed_bytes == memory.taken_bytes  # resharded on exit
+
+
+def test_ranks_with_different_micro_batch_counts_step_and_score_like_one_process(ranks):
+    parts = [[0, 1, 2, 3, 4], [5, 6, 7]]
+    (weights, lp0), (_, lp1) = on_ranks(ranks, _uneven_step_and_forward, parts)
+    assert (len(lp0), len(lp1)) == (5, 3)  # one output row per real row: the padding passes are dropped
+    model, optimizer = fresh()
+    mbs = [rows(make_batch(7), list(range(ROWS)))]
+    norm = LossNorm.of([mb["response_mask"] for mb in mbs])
+    data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), PoolGroup.single(POOL),
+                       norm=norm, grad_clip=1.0)
+    assert max_diff(weights, model.state_dict()) <= 1e-5
+    with torch.no_grad():
+        expected = pg_log_probs(model, mbs[0])
+    assert float((torch.cat([lp0, lp1]) - expected).abs().max()) <= 1e-5
+
+
+def test_a_model_built_on_rank_0_only_trains_like_one_process(ranks):
+    (built, stepped, held), (_, _, held1) = on_ranks(ranks, _build_and_step)
+    model, optimizer = fresh()
+    assert max_diff(built, model.state_dict()) == 0.0
+    train_one(model, optimizer, PoolGroup.single(POOL), list(range(ROWS)))
+    assert max_diff(stepped, model.state_dict()) <= 1e-5
+    full = sum(p.numel() * 4 for p in model.parameters())
+    for rank_held in (held, held1):
+        assert rank_held["params"] == pytest.approx(full / 2, rel=0.02)
+
+
+def test_sharded_value_model_gives_rank0_values(ranks):
+    ids = make_batch(0)["input_ids"]
+    values = on_ranks(ranks, _values, [ids, ids])
+    critic, _ = load_model("builtin:tiny", head="value", seed=0)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        expected = response_values(critic, ids, mask, mask.cumsum(-1) - 1, RESPONSE)
+    for got in values:
+        assert float((got - expected).abs().max()) <= 1e-5
+
+
+def test_checkpoint_written_by_two_ranks_loads_in_one(ranks, tmp_path):
+    on_ranks(ranks, _train_on_rank, [3, 3], [2, 2], [1.0, 1.0])
+    path = tmp_path / "step_00000003" / "actor"
+    on_ranks(ranks, _save, [path, path])
+    assert not list(tmp_path.glob("step_00000003/.tmp_*"))
+    # both ranks take one more step; one process loads the 2-rank checkpoint and takes the same step
+    parts = rank_rows(99)
+    (_, loaded_on_ranks, stepped_on_ranks), _ = on_ranks(ranks, _load_and_step, [path, path], parts)
+    meta, loaded, stepped = _load_and_step({"group": PoolGroup.single(POOL)}, path, list(range(ROWS)))
+    assert meta == {"updates": 3}
+    assert max_diff(loaded, loaded_on_ranks) == 0.0
+    assert max_diff(stepped, stepped_on_ranks) <= 1e-5
+
+
+def test_checkpoint_written_by_one_process_loads_in_two_ranks(ranks, tmp_path):
+    model, optimizer = single_process(steps=2, micro=ROWS, grad_clip=1.0, halves=False)
+    path = tmp_path / "actor"
+    save_sharded(path, model, optimizer, PoolGroup.single(POOL), meta={"updates": 2})
+    (meta, loaded, stepped), _ = on_ranks(ranks, _load_and_step, [path, path], rank_rows(99))
+    assert meta == {"updates": 2}
+    assert max_diff(loaded, model.state_dict()) == 0.0
+    train_one(model, optimizer, PoolGroup.single(POOL), list(range(ROWS)))
+    assert max_diff(stepped, model.state_dict()) <= 1e-5
+
+
+def test_export_from_sharded_and_whole_checkpoints_gives_the_trained_logits(ranks, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model, optimizer = single_process(steps=2, micro=ROWS, grad_clip=1.0, halves=False)
+    graph = {"roles": {"actor": {"model": "builtin:tiny", "dtype": "float32"},
+                       "ref": {"from": "actor", "frozen": True}}}
+    # whole: the layout CheckpointStore writes today
+    store = CheckpointStore(tmp_path / "whole" / "checkpoints")
+    store.save(1, {"workers": {("train", 0): {"roles": {"actor": {"model": model.state_dict()}},
+                                              "versions": {}}},
+                   "weights": {}}, meta={"graph": graph})
+    # sharded: written by the two ranks
+    (weights, _), _ = on_ranks(ranks, _train_on_rank, [2, 2], [2, 2], [1.0, 1.0])
+    step_dir = tmp_path / "sharded" / "checkpoints" / "step_00000002"
+    on_ranks(ranks, _save, [step_dir / "actor"] * 2)
+    (step_dir / "meta.json").write_text(__import__("json").dumps({"graph": graph, "step": 1}))
+
+    ids = make_batch(5)["input_ids"]
+    for run, expected in ((tmp_path / "whole", model.state_dict()), (tmp_path / "sharded", weights)):
+        out = export_hf(run, tmp_path / f"hf_{run.name}", step=2)
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+        loaded = AutoModelForCausalLM.from_pretrained(str(out))
+        reference, _ = load_model("builtin:tiny")
+        reference.load_state_dict(expected)
+        with torch.no_grad():
+            diff = (loaded(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max()
+        assert float(diff) <= 1e-6
+    with pytest.raises(ExportError, match="available steps: 2"):
+        export_hf(tmp_path / "whole", tmp_path / "x", step=7)
+    with pytest.raises(ExportError, match="no role 'critic'"):
+        checkpoint_weights(tmp_path / "whole" / "checkpoints" / "step_00000002", "critic")
+    with pytest.raises(ExportError, match="holds neither critic/sharded.json"):
+        checkpoint_weights(step_dir, "critic")
+
+
+# ---------------------------------------------------------------- failures (these break the group: last)
+
+
+def _set_timeout(state, seconds):
+    state["group"].set_timeout(seconds)
+
+
+def _all_reduce(state, name):
+    return state["group"].all_reduce(torch.ones(1), name=name)
+
+
+def _sleep(state, seconds):
+    time.sleep(seconds)
+
+
+def test_a_hung_rank_is_named_within_the_timeout(ranks):
+    on_ranks(ranks, _set_timeout, [3.0, 3.0])
+    start = time.monotonic()
+    waiting = ranks[0].run.remote(_all_reduce, "advantage sum")
+    sleeping = ranks[1].run.remote(_sleep, 6.0)
+    with pytest.raises(CollectiveError) as err:
+        ray.get(waiting)
+    assert time.monotonic() - start < 30
+    assert (err.value.pool, err.value.rank) == (POOL, 0)
+    assert err.value.collective.startswith("advantage sum")
+    assert "rank 1 never reached it" in err.value.reason
+    ray.get(sleeping)
+    ray.get([a.leave.remote() for a in ranks])
+
+
+def test_a_killed_rank_is_named_within_the_timeout(ranks):
+    pids = form_group(ranks)
+    on_ranks(ranks, _set_timeout, [20.0, 20.0])
+    start = time.monotonic()
+    waiting = ranks[0].run.remote(_all_reduce, "grad norm")
+    ranks[1].run.remote(_sleep, 60.0)
+    time.sleep(1.0)
+    ray.kill(ranks[1])
+    with pytest.raises(CollectiveError) as err:
+        ray.get(waiting)
+    assert time.monotonic() - start < 20
+    assert (err.value.pool, err.value.rank) == (POOL, 0)
+    assert f"rank 1 (pid {pids[1]}) is dead" in err.value.reason
+
+
+def test_a_pool_of_one_needs_no_group_and_backend_strings_are_checked():
+    group = PoolGroup.single(POOL)
+    assert float(group.all_reduce(torch.tensor([3.0]))) == 3.0 and group.mesh is None
+    assert backend_for("cpu:gloo,cuda:nccl") == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "cpu:gloo")
+    with pytest.raises(ValueError, match="not 'device:backend'"):
+        backend_for("gloo")
+
+
+def test_balance_ranks_keeps_groups_whole_and_tokens_even():
+    tokens = [30, 1, 1, 1, 10, 10, 10, 10, 5, 5, 5, 5]
+    groups = [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    parts = balance_ranks(tokens, 2, groups)
+    assert sorted(sum(parts, [])) == list(range(12))
+    for g in (0, 1, 2):
+        assert sum(all(r in p for r in range(4 * g, 4 * g + 4)) for p in parts) == 1
+    loads = sorted(sum(tokens[i] for i in p) for p in parts)
+    assert loads == [40, 53]  # the best split with whole groups: {40} | {33, 20}
+    assert balance_ranks([5, 4, 3, 3, 2, 1], 3) == [[0, 5], [1, 4], [2, 3]]
+
+
+def test_export_cli_writes_a_loadable_directory_and_names_a_missing_step(tmp_path):
+    from typer.testing import CliRunner
+    from transformers import AutoModelForCausalLM
+
+    from flowrl.cli import app
+
+    model, _ = single_process(steps=1, micro=ROWS, grad_clip=1.0, halves=False)
+    CheckpointStore(tmp_path / "run" / "checkpoints").save(
+        0, {"workers": {("train", 0): {"roles": {"actor": {"model": model.state_dict()}}, "versions": {}}},
+            "weights": {}}, meta={"graph": {"roles": {"actor": {"model": "builtin:tiny"}}}})
+    runner = CliRunner()
+    ok = runner.invoke(app, ["export", str(tmp_path / "run"), str(tmp_path / "hf")])
+    assert ok.exit_code == 0, ok.output
+    ids = make_batch(3)["input_ids"]
+    with torch.no_grad():
+        diff = (AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"))(input_ids=ids).logits
+                - model(input_ids=ids).logits).abs().max()
+    assert float(diff) <= 1e-6
+    bad = runner.invoke(app, ["export", str(tmp_path / "run"), str(tmp_path / "x"), "--step", "5"])
+    assert bad.exit_code == 1 and "Traceback" not in bad.output
