@@ -30,7 +30,7 @@ class GAE(Params):
 
 
 @operator("advantage.gae", scope="batch", node_name="advantage", params=GAE, outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "values": "float32[B, R]"})
+          inputs={**REWARDS, "values": "float32[B, R]"}, dumped=("advantages",))
 def gae(batch, p: GAE):
     """δ_t = r_t + γV_{t+1} − V_t;  A_t = Σ_l (γλ)^l δ_{t+l};  returns = A + V."""
     adv, ret = gae_advantages(batch["token_level_rewards"], batch["values"], batch["response_mask"],
@@ -44,7 +44,7 @@ class GRPO(Params):
 
 
 @operator("advantage.grpo", scope="group", node_name="advantage", params=GRPO, outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "uid": "object[B]"})
+          inputs={**REWARDS, "uid": "object[B]"}, dumped=("uid", "advantages"))
 def grpo(batch, p: GRPO):
     """A_i = (r_i − mean(r_group)) / (std(r_group) + ε), broadcast over the response's tokens."""
     adv, ret = grpo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
@@ -53,7 +53,7 @@ def grpo(batch, p: GRPO):
 
 
 @operator("advantage.rloo", scope="group", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "uid": "object[B]"})
+          inputs={**REWARDS, "uid": "object[B]"}, dumped=("uid", "advantages"))
 def rloo(batch, p):
     """A_i = r_i − mean(r_j for the other samples j of the same prompt)."""
     adv, ret = rloo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
@@ -65,7 +65,7 @@ class ReinforcePP(Params):
 
 
 @operator("advantage.reinforce_pp", scope="batch", node_name="advantage", params=ReinforcePP, outputs=OUT, aux_outputs=("returns",),
-          inputs=REWARDS)
+          inputs=REWARDS, dumped=("advantages",))
 def reinforce_pp(batch, p: ReinforcePP):
     """G_t = r_t + γG_{t+1};  A = whiten(G) over the whole batch."""
     adv, ret = reinforce_pp_advantages(batch["token_level_rewards"], batch["response_mask"], p.gamma)
@@ -73,7 +73,7 @@ def reinforce_pp(batch, p: ReinforcePP):
 
 
 @operator("advantage.remax", scope="row", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "reward_baselines": "float32[B, R]"})
+          inputs={**REWARDS, "reward_baselines": "float32[B, R]"}, dumped=("advantages",))
 def remax(batch, p):
     """A_t = Σ_{t'≥t} r_t' − b, with b the reward of the greedy response to the same prompt."""
     baseline = batch["reward_baselines"].sum(-1)  # the scalar score sits on one token

@@ -97,7 +97,7 @@ def generate(actor, batch, p: GenParams):
 @operator(
     "test.reward", scope="row",
     inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]"},
-    outputs={"token_level_scores": "float32[B, R]"}, node_name="reward",
+    outputs={"token_level_scores": "float32[B, R]"}, node_name="reward", score="token_level_scores",
 )
 def reward(batch, p):
     scores = (batch["responses"] % 2).float() * batch["response_mask"]

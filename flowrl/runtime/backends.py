@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from flowrl.runtime.errors import PlacementError
 from flowrl.runtime.worker import Call, NodeEntry, RoleBuild, Worker
@@ -75,13 +75,27 @@ class Backend(abc.ABC):
         pass
 
 
+#: every backend, by the name ``flowrl run --backend`` takes: name → factory(address=None)
+BACKENDS: dict[str, Callable[..., Backend]] = {}
+
+
+def backend(name: str) -> Callable[[type[Backend]], type[Backend]]:
+    """Register a backend class under ``name`` (like role kinds and data sources)."""
+
+    def wrap(cls: type[Backend]) -> type[Backend]:
+        BACKENDS[name] = cls
+        cls.name = name
+        return cls
+
+    return wrap
+
+
 # ---------------------------------------------------------------- local
+@backend("local")
 class LocalBackend(Backend):
     """Everything in this process; threads stand in for worker processes."""
 
-    name = "local"
-
-    def __init__(self) -> None:
+    def __init__(self, address: str | None = None) -> None:
         self.workers: dict[tuple[str, int], Worker] = {}
         self.queues: dict[tuple[str, int], _DaemonExecutor] = {}
         self.driver_pool = _DaemonExecutor(serial=False, name="flowrl-driver")
@@ -211,10 +225,9 @@ class _Projection:
 
 
 # ---------------------------------------------------------------- ray
+@backend("ray")
 class RayBackend(Backend):
     """One Ray actor per (pool, rank) in the pool's placement group."""
-
-    name = "ray"
 
     def __init__(self, address: str | None = None, placement_timeout_s: float = 60.0) -> None:
         self.address = address
@@ -333,11 +346,10 @@ class RayBackend(Backend):
 
 
 def make_backend(name: str, address: str | None = None) -> Backend:
-    if name == "local":
-        return LocalBackend()
-    if name == "ray":
-        return RayBackend(address=address)
-    raise ValueError(f"unknown backend {name!r}; use 'ray' or 'local'")
+    """A new backend of the registered kind ``name``."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; registered backends: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name](address=address)
 
 
 def describe_death(exc: BaseException) -> str | None:
@@ -350,4 +362,4 @@ def describe_death(exc: BaseException) -> str | None:
     return None
 
 
-__all__ = ["Backend", "LocalBackend", "RayBackend", "PoolSpec", "make_backend", "describe_death"]
+__all__ = ["BACKENDS", "Backend", "backend", "LocalBackend", "RayBackend", "PoolSpec", "make_backend", "describe_death"]

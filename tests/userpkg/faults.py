@@ -7,7 +7,7 @@ from flowrl.graph import operator
 
 @operator("userpkg.nan_reward", scope="row",
           inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "uid": "object[B]"},
-          outputs={"token_level_scores": "float32[B, R]"}, node_name="reward")
+          outputs={"token_level_scores": "float32[B, R]"}, node_name="reward", score="token_level_scores")
 def nan_reward(batch, p):
     """Fine at the first step; NaN from the second on (uids are '<step>-<i>')."""
     second = any(not str(u).startswith("0-") for u in batch["uid"])
