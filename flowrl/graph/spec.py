@@ -53,7 +53,7 @@ class OperatorOutputError(RuntimeError):
 class StateSpec:
     """State an operator keeps across steps (the adaptive KL coefficient).
 
-    ``init(params)`` builds the first state (a dict of floats and tensors). The
+    ``init(params)`` builds the first state (a dict of JSON values: numbers, lists). The
     operator body reads and replaces it through ``batch.meta_info[key]``; the
     runtime keeps it per node, hands the same value to every rank, stores the
     value rank 0 returns, and checkpoints it with the run.

@@ -34,7 +34,7 @@ from typing import Any, Callable, Mapping
 
 from pydantic import ValidationError
 
-from flowrl.data.expand import expand_rows
+from flowrl.data.expand import check_rows, expand_rows
 from flowrl.graph.config import GraphConfig, NODE_KEYS
 from flowrl.graph.ir import Graph
 from flowrl.graph.load import schema_problems
@@ -183,13 +183,22 @@ def run_eager(spec: OperatorSpec, *args: Any, **params: Any) -> Any:
     if not isinstance(batch, DataProto):
         raise TypeError(f"operator {spec.name!r} takes a DataProto, got {type(batch).__name__}")
     p = spec.params.model_validate(params)
+    state = None
+    if spec.state is not None:  # carried in the batch's meta_info from one eager call to the next
+        state = dict(batch.meta_info.get(spec.state.key) or spec.state.init(p))
+        batch = batch.select()  # a new container: the caller's meta_info stays as it was
+        batch.meta_info[spec.state.key] = state
     outputs, metrics = spec.run(role, batch, p)
+    if outputs.batch is not None or outputs.non_tensor_batch:  # an output with rows (not only metadata)
+        check_rows(spec.name, len(batch), spec.expansion(p), len(outputs))
     # a new container (sharing tensors): verl's union works in place, the caller's batch must not change
     result = expand_rows(batch, spec.expansion(p)).select()
     if len(outputs):
         result = result.union(outputs)
     if metrics:
         result.meta_info.setdefault("metrics", {}).update(metrics)
+    if state is not None:
+        result.meta_info[spec.state.key] = state
     return result
 
 

@@ -45,8 +45,8 @@ class Backend(abc.ABC):
     name = "base"
 
     @abc.abstractmethod
-    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int) -> None:
-        """Create every pool's workers (and their roles)."""
+    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int, driver: bool = True) -> None:
+        """Create every pool's workers (and their roles); a driver worker only when ``driver``."""
 
     @abc.abstractmethod
     def submit(self, pool: str, rank: int, call: Call, inputs: list[Any]) -> tuple[Any, Any]:
@@ -66,7 +66,29 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
-        """``(done, pending)`` once at least one is done or ``timeout`` passes."""
+        """``(done, pending)`` once at least one is done or ``timeout`` passes: every handle
+        that is done by then, not only the first."""
+
+    def wait_reports(self, handles: list[Any], timeout: float) -> list[tuple[Any, Any]]:
+        """``(handle, value or the exception it raised)`` for every finished handle, once at
+        least one is finished or ``timeout`` passes; the values are fetched together."""
+        done, _ = self.wait(handles, timeout)
+        if not done:
+            return []
+        try:
+            return list(zip(done, self.get_many(done)))
+        except Exception:  # noqa: BLE001 - find which one failed, and keep the others' values
+            out: list[tuple[Any, Any]] = []
+            for h in done:
+                try:
+                    out.append((h, self.get(h)))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller, named there
+                    out.append((h, exc))
+            return out
+
+    def get_many(self, handles: list[Any]) -> list[Any]:
+        """The values behind ``handles`` (one round trip where the backend allows)."""
+        return [self.get(h) for h in handles]
 
     def worker_label(self, pool: str, rank: int) -> str:
         return f"{pool}[{rank}]"
@@ -100,13 +122,14 @@ class LocalBackend(Backend):
         self.queues: dict[tuple[str, int], _DaemonExecutor] = {}
         self.driver_pool = _DaemonExecutor(serial=False, name="flowrl-driver")
 
-    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int) -> None:
+    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int, driver: bool = True) -> None:
         for p in pools:
             for rank in range(p.workers):
                 self.workers[(p.name, rank)] = Worker(p.name, rank, p.workers, p.roles, nodes, seed,
                                                       threads=max(1, int(p.cpus)), gpus=p.gpus)
                 self.queues[(p.name, rank)] = _DaemonExecutor(serial=True, name=f"flowrl-{p.name}{rank}")
-        self.workers[(DRIVER, 0)] = Worker(DRIVER, 0, 1, [], nodes, seed)
+        if driver:
+            self.workers[(DRIVER, 0)] = Worker(DRIVER, 0, 1, [], nodes, seed)
 
     def _executor(self, pool: str, rank: int) -> "_DaemonExecutor":
         return self.driver_pool if pool == DRIVER else self.queues[(pool, rank)]
@@ -251,7 +274,7 @@ class RayBackend(Backend):
             self._started_ray = True
         return ray
 
-    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int) -> None:
+    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int, driver: bool = True) -> None:
         ray = self._init_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -290,8 +313,9 @@ class RayBackend(Backend):
                     num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy,
                     name=None, max_restarts=0,
                 ).remote(p.name, rank, p.workers, p.roles, nodes, seed, max(1, int(p.cpus)), p.gpus)
-        self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
-            DRIVER, 0, 1, [], nodes, seed, 1)
+        if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
+            self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
+                DRIVER, 0, 1, [], nodes, seed, 1)
         # surface role-construction errors and dead workers now, not mid-step
         keys = list(self.actors)
         pids = ray.get([self.actors[k].ping.remote() for k in keys])
@@ -316,7 +340,16 @@ class RayBackend(Backend):
     def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
         import ray
 
-        return ray.wait(handles, num_returns=1, timeout=timeout, fetch_local=False)
+        done, pending = ray.wait(handles, num_returns=1, timeout=timeout, fetch_local=False)
+        if done and pending:  # take every other report already finished in the same pass
+            more, pending = ray.wait(pending, num_returns=len(pending), timeout=0, fetch_local=False)
+            done += more
+        return done, pending
+
+    def get_many(self, handles: list[Any]) -> list[Any]:
+        import ray
+
+        return ray.get(handles)
 
     def worker_label(self, pool: str, rank: int) -> str:
         pid = self.pids.get((pool, rank))
