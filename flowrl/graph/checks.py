@@ -30,8 +30,6 @@ from flowrl.graph.problems import (
     FieldTypeError,
     GraphError,
     GraphProblem,
-    GraphSyntaxError,
-    Location,
     MissingProducerError,
     ParameterError,
     PoolError,
@@ -288,7 +286,7 @@ def _check_unused(graph: Graph, add) -> None:
 
 
 __all__: list[Any] = [
-    "GraphProblem", "GraphSyntaxError", "SchemaError", "CycleError", "MissingProducerError",
+    "GraphProblem", "SchemaError", "CycleError", "MissingProducerError",
     "DuplicateProducerError", "FieldTypeError", "UnknownOperatorError", "ParameterError", "RoleError",
     "RoleWithoutPoolError", "PoolError", "ResourceError", "DataSourceError", "UnusedOutputWarning",
     "UnresolvedInputWarning",
