@@ -252,6 +252,7 @@ def test_light_nodes_between_one_pool_run_in_its_process(tmp_path):
         r = rt.run_step(next(batches(4)))
     assert {i.pool for i in r.infos if i.node in ("reward", "advantage")} == {"train"}
     assert len(r.data) == 8
+    assert ("driver", 0) not in rt.backend.workers  # no node runs on the driver: no driver worker
     # pools are joined (ppo: train and critic feed the advantage): they stay on the driver
     assert place_light_nodes(load_graph(HERE / "data" / "ppo.yaml")) == {}
 
@@ -304,3 +305,12 @@ def test_the_eager_path_checks_row_counts_too():
     with pytest.raises(RowCountError) as exc:
         short_reward(batch)
     assert (exc.value.node, exc.value.expected, exc.value.actual) == ("userpkg.short_reward", 3, 2)
+
+
+def test_backends_are_registered_by_name():
+    from flowrl.runtime.backends import BACKENDS, LocalBackend, make_backend
+
+    assert {"local", "ray"} <= set(BACKENDS) and isinstance(make_backend("local"), LocalBackend)
+    with pytest.raises(ValueError) as exc:
+        make_backend("slurm")
+    assert "unknown backend 'slurm'" in str(exc.value) and "local, ray" in str(exc.value)
