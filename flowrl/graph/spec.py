@@ -86,7 +86,7 @@ class OperatorSpec:
     expands: str | None = None
     aux_outputs: tuple[str, ...] = field(default=())  # outputs often unread: no warning when they are
     score: str | None = None  # the output validation scores responses by (a reward)
-    val_params: Mapping[str, Any] = field(default_factory=dict)  # parameters set when validating
+    val_params: Mapping[str, Any] = field(default_factory=dict, hash=False)  # parameters set when validating
     dumped: tuple[str, ...] = field(default=())  # fields it reads or writes worth a rollout dump
     state: "StateSpec | None" = None  # state kept across steps (checkpointed, same on every rank)
 
