@@ -30,7 +30,10 @@ rounds is printed with its ratio to the baselines:
 * ``flowrl``: the runtime with its default ``poll_s=0.05`` and smaller ones;
   the outputs stay in the object store as futures (flowrl's normal case);
   ``+fetch`` brings every output column back to the driver, as the Ray and
-  verl calls do.
+  verl calls do;
+* ``before: one wait per report``: the runtime with the collection loop it had
+  before issue 14.5 (one ``ray.wait`` per finished task, each report fetched on
+  its own), on the same workers: the before/after of that change in one run.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ import benchmarks.ops as bench_ops
 from benchmarks.dataproto import make_data, payload_bytes
 from flowrl.data import DataProto
 from flowrl.graph import GraphBuilder
+from flowrl.runtime.backends import Backend
 from flowrl.runtime.scheduler import Runtime
 
 BIG = {"CPU": 64.0, "GPU": 0.0}
@@ -129,34 +133,25 @@ def flowrl_runtimes(owner: Runtime, single: Runtime, polls: list[float]) -> dict
             label = f"flowrl poll_s={poll:g}" + (" +fetch" if fetch else "")
             out[label] = owner if (poll == polls[0] and not fetch) else Runtime(
                 owner.graph, backend=SharedBackend(owner.backend), resources=BIG, fetch=fetch, poll_s=poll)
-    out["what-if: flowrl wait-all"] = Runtime(owner.graph, backend=WaitAll(owner.backend), resources=BIG,
-                                              poll_s=polls[0])
+    out["before: one wait per report"] = Runtime(owner.graph, backend=OneWaitPerReport(owner.backend),
+                                                   resources=BIG, poll_s=polls[0])
     return out
 
 
-class WaitAll(SharedBackend):
-    """What-if for the driver's collection loop: wait on every pending report at
-    once (``ray.wait(num_returns=all)``, still bounded by ``poll_s`` for the
-    watchdog) and fetch the finished ones with one ``ray.get``."""
-
-    def __init__(self, backend: Any) -> None:
-        super().__init__(backend)
-        self._got: dict[Any, Any] = {}
+class OneWaitPerReport(SharedBackend):
+    """The collection loop as it was before issue 14.5, for a before/after in one run:
+    one ``ray.wait(num_returns=1)`` per finished report, each fetched on its own."""
 
     def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
         import ray
 
-        done, pending = ray.wait(handles, num_returns=len(handles), timeout=timeout, fetch_local=False)
-        try:
-            self._got.update(zip(done, ray.get(done)))
-        except Exception:  # a failed task: let get() raise it, one handle at a time, as before
-            pass
-        return done, pending
+        return ray.wait(handles, num_returns=1, timeout=timeout, fetch_local=False)
 
-    def get(self, handle: Any, timeout: float | None = None) -> Any:
-        if handle in self._got:
-            return self._got.pop(handle)
-        return self._backend.get(handle, timeout)
+    def get_many(self, handles: list[Any]) -> list[Any]:
+        return [self._backend.get(h) for h in handles]
+
+    def wait_reports(self, handles: list[Any], timeout: float) -> list[tuple[Any, Any]]:
+        return Backend.wait_reports(self, handles, timeout)  # the base loop, with the waits above
 
 
 # ---------------------------------------------------------------------- running

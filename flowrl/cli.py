@@ -39,11 +39,6 @@ class VizFormat(str, Enum):
     json = "json"
 
 
-class BackendName(str, Enum):
-    ray = "ray"
-    local = "local"
-
-
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     """``["trainer.steps=5", "data.batch_size=8"]`` → typed values (parsed as YAML scalars)."""
     out: dict[str, Any] = {}
@@ -180,25 +175,30 @@ def run(
     graph: str = typer.Argument("grpo", help="graph: file.yaml, file.py, module:graph, or a built-in name"),
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps to run (default: trainer.steps)"),
     out: Optional[str] = typer.Option(None, "--out", help="run directory (default: trainer.out)"),
-    backend: BackendName = typer.Option(BackendName.ray, "--backend", help="ray (default) or local"),
+    backend: str = typer.Option("ray", "--backend", help="a registered backend: ray (default) or local"),
     address: Optional[str] = typer.Option(None, "--address", help="a Ray cluster to join"),
     trace: Optional[str] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace here"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
+    from flowrl.runtime.backends import BACKENDS
     from flowrl.runtime.errors import RuntimeFailure
     from flowrl.runtime.trainer import Trainer
     from visualizer.live import LiveView
 
+    if backend not in BACKENDS:
+        err_console.print(f"[bold red]error[/] --backend {_escape(backend)!s}: not a backend; "
+                          f"use one of {', '.join(sorted(BACKENDS))}")
+        raise typer.Exit(2)
     g = _load_checked(graph, set_)
     total = steps if steps is not None else g.config.trainer.steps
     try:
         with LiveView(g, total_steps=total, console=console) as view:
-            trainer = Trainer(g, backend=backend.value, steps=steps, out=out, address=address, trace=trace,
+            trainer = Trainer(g, backend=backend, steps=steps, out=out, address=address, trace=trace,
                               on_step=view.step, on_progress=view.progress, resume=resume, say=view.say)
             view.placement = dict(trainer.runtime.plan.moved)
-            view.say(f"{g.name}: {total} steps on the {backend.value} backend → {trainer.out}")
+            view.say(f"{g.name}: {total} steps on the {backend} backend → {trainer.out}")
             trainer.run()
     except RuntimeFailure as e:
         err_console.print(f"[bold red]run failed[/] {_escape(str(e))}")

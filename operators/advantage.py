@@ -60,7 +60,7 @@ class GAE(Params):
 
 
 @operator("advantage.gae", scope="batch", node_name="advantage", params=GAE, outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "values": "float32[B, R]"})
+          inputs={**REWARDS, "values": "float32[B, R]"}, dumped=("advantages",))
 def gae(batch, p: GAE):
     """δ_t = r_t + γV_{t+1} − V_t;  A_t = Σ_l (γλ)^l δ_{t+l};  returns = A + V."""
     adv, ret = gae_advantages(batch["token_level_rewards"], batch["values"], batch["response_mask"],
@@ -76,7 +76,7 @@ class GRPO(Params):
 
 
 @operator("advantage.grpo", scope="group", node_name="advantage", params=GRPO, outputs=OUT, aux_outputs=("returns",),
-          inputs=GROUPED)
+          inputs=GROUPED, dumped=("uid", "advantages"))
 def grpo(batch, p: GRPO):
     """A_i = (r_i − mean(r_group)) / (std(r_group) + ε), broadcast over the response's tokens."""
     adv, ret = grpo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
@@ -85,7 +85,7 @@ def grpo(batch, p: GRPO):
 
 
 @operator("advantage.grpo_passk", scope="group", node_name="advantage", params=GRPO, outputs=OUT,
-          aux_outputs=("returns",), inputs=GROUPED)
+          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
 def grpo_passk(batch, p: GRPO):
     """Only the best sample of each group learns: A = (r_max − r_second) / (std(r_group) + ε)."""
     adv, ret = grpo_passk_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
@@ -94,7 +94,7 @@ def grpo_passk(batch, p: GRPO):
 
 
 @operator("advantage.rloo", scope="group", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
-          inputs=GROUPED)
+          inputs=GROUPED, dumped=("uid", "advantages"))
 def rloo(batch, p):
     """A_i = r_i − mean(r_j for the other samples j of the same prompt)."""
     adv, ret = rloo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
@@ -102,7 +102,7 @@ def rloo(batch, p):
 
 
 @operator("advantage.opo", scope="group", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
-          inputs=GROUPED)
+          inputs=GROUPED, dumped=("uid", "advantages"))
 def opo(batch, p):
     """A_i = r_i − Σ_j |y_j| r_j / Σ_j |y_j| over the group (length-weighted baseline)."""
     adv, ret = opo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
@@ -114,7 +114,7 @@ class GPG(Params):
 
 
 @operator("advantage.gpg", scope="batch", node_name="advantage", params=GPG, outputs=OUT, aux_outputs=("returns",),
-          inputs=GROUPED)
+          inputs=GROUPED, dumped=("uid", "advantages"))
 def gpg(batch, p: GPG):
     """A_i = α (r_i − mean(r_group)) / f_norm, α = B / #(rows with a non-zero score)."""
     adv, ret = gpg_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"], p.f_norm)
@@ -122,7 +122,7 @@ def gpg(batch, p: GPG):
 
 
 @operator("advantage.gdpo", scope="batch", node_name="advantage", params=GRPO, outputs=OUT,
-          aux_outputs=("returns",), inputs=GROUPED)
+          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
 def gdpo(batch, p: GRPO):
     """GRPO per reward component, summed, whitened over the batch (one component: the reward)."""
     adv, ret = gdpo_advantages([batch["token_level_rewards"]], batch["response_mask"], batch["uid"],
@@ -135,7 +135,7 @@ class ReinforcePP(Params):
 
 
 @operator("advantage.reinforce_pp", scope="batch", node_name="advantage", params=ReinforcePP, outputs=OUT,
-          aux_outputs=("returns",), inputs=REWARDS)
+          aux_outputs=("returns",), inputs=REWARDS, dumped=("advantages",))
 def reinforce_pp(batch, p: ReinforcePP):
     """G_t = r_t + γG_{t+1} over valid tokens;  A = whiten(G) over the whole batch."""
     adv, ret = reinforce_pp_advantages(batch["token_level_rewards"], batch["response_mask"], p.gamma)
@@ -143,7 +143,7 @@ def reinforce_pp(batch, p: ReinforcePP):
 
 
 @operator("advantage.reinforce_pp_baseline", scope="batch", node_name="advantage", outputs=OUT,
-          aux_outputs=("returns",), inputs=GROUPED)
+          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
 def reinforce_pp_baseline(batch, p):
     """A = whiten(r_i − mean(r_group)) over the whole batch."""
     adv, ret = reinforce_pp_baseline_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
@@ -151,7 +151,7 @@ def reinforce_pp_baseline(batch, p):
 
 
 @operator("advantage.remax", scope="row", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "reward_baselines": "float32[B, R]"})
+          inputs={**REWARDS, "reward_baselines": "float32[B, R]"}, dumped=("advantages",))
 def remax(batch, p):
     """A_t = Σ_{t'≥t} r_t' − b, with b the reward of the greedy response to the same prompt."""
     baseline = batch["reward_baselines"].sum(-1)  # the scalar score sits on one token
@@ -169,7 +169,8 @@ OTB_INPUTS = {**GROUPED, "old_log_probs": "float32[B, R]", "sum_pi_squared": "fl
 
 
 @operator("advantage.optimal_token_baseline", scope="group", node_name="advantage", params=OptimalTokenBaseline,
-          outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS, optional_inputs=("rollout_is_weights",))
+          outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS, optional_inputs=("rollout_is_weights",),
+          dumped=("uid", "advantages"))
 def optimal_token_baseline(batch, p: OptimalTokenBaseline):
     """A_t = G_t − Σ_g G_t W_t / Σ_g W_t,  W_t = Σ_{j≤t} 1 − 2π_j + Σ_v π_v²  (per group and position)."""
     adv, ret = optimal_token_baseline_advantages(
@@ -181,7 +182,7 @@ def optimal_token_baseline(batch, p: OptimalTokenBaseline):
 
 @operator("advantage.tir_optimal_token_baseline", scope="group", node_name="advantage",
           params=OptimalTokenBaseline, outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS,
-          optional_inputs=("rollout_is_weights",))
+          optional_inputs=("rollout_is_weights",), dumped=("uid", "advantages"))
 def tir_optimal_token_baseline(batch, p: OptimalTokenBaseline):
     """The optimal token baseline over each response's valid (model) tokens, packed (multi-turn)."""
     adv, ret = tir_optimal_token_baseline_advantages(

@@ -1,10 +1,14 @@
-"""KL to the reference as a reward penalty: fixed β, or β adapted toward a target KL."""
+"""KL to the reference as a reward penalty: fixed β, or β adapted toward a target KL.
+
+The adaptive β is operator state: declared (``state=``), kept by the runtime
+across steps, checkpointed with the run and handed to every rank alike.
+"""
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from flowrl.graph import Params, operator
+from flowrl.graph import Params, StateSpec, operator
 from operators.algos import AdaptiveKLController, apply_kl_penalty
 
 INPUTS = {"token_level_scores": "float32[B, R]", "old_log_probs": "float32[B, R]",
@@ -33,13 +37,22 @@ class AdaptiveKL(Params):
     kl_estimator: str = Field("k1", pattern=ESTIMATOR)
 
 
-@operator("kl.adaptive_reward", role="actor", scope="batch", node_name="kl_reward", params=AdaptiveKL,
-          inputs=INPUTS, outputs={"token_level_rewards": "float32[B, R]"})
-def adaptive_reward(actor, batch, p: AdaptiveKL):
+def _initial_beta(p: AdaptiveKL) -> dict[str, float]:
+    return {"kl_coef": p.init_kl_coef}
+
+
+ADAPTIVE_STATE = StateSpec(init=_initial_beta)
+
+
+@operator("kl.adaptive_reward", scope="batch", node_name="kl_reward", params=AdaptiveKL,
+          inputs=INPUTS, outputs={"token_level_rewards": "float32[B, R]"}, state=ADAPTIVE_STATE)
+def adaptive_reward(batch, p: AdaptiveKL):
     """r_t = score_t − β · KL_t, then β ← β · (1 + clip(KL/target − 1, ±0.2) · B/horizon)."""
-    ctrl = actor.extra_state.setdefault("kl_ctrl", AdaptiveKLController(p.init_kl_coef, p.target_kl, p.horizon))
+    state = batch.meta_info[ADAPTIVE_STATE.key]  # {"kl_coef": β}, this node's state from the last step
+    ctrl = AdaptiveKLController(state["kl_coef"], p.target_kl, p.horizon)
     beta = ctrl.value
     rewards, kl = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
                                    batch["response_mask"], beta, p.kl_estimator)
     ctrl.update(kl, n_steps=len(batch))
+    state["kl_coef"] = ctrl.value
     return {"token_level_rewards": rewards}, {"actor/reward_kl_penalty": kl, "actor/kl_coef": beta}

@@ -31,7 +31,7 @@ def tokenizer_for(spec: str):
     inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "data_source": "object[B]",
             "ground_truth": "object[B]", "extra_info": "object[B]", "reward_style": "object[B]",
             "tokenizer": "meta"},
-    outputs={"token_level_scores": "float32[B, R]"},
+    outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),
 )
 def rule(batch, p: Rule):
     """score_i = fn(response_i, ground_truth_i), placed on the last response token.
@@ -53,7 +53,7 @@ def rule(batch, p: Rule):
     "reward.model", role="reward_model", scope="row", node_name="reward_model", cost=2.0,
     inputs={"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]", "position_ids": "int64[B, T]",
             "response_mask": "int64[B, R]"},
-    outputs={"token_level_scores": "float32[B, R]"},
+    outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),
 )
 def model(rm, batch, p):
     """A sequence classifier's scalar score of prompt+response, on the last response token."""

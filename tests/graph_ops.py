@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from flowrl.graph import Params, operator, role_kind, source
+from flowrl.graph import Params, StateSpec, operator, role_kind, source
 
 
 # ---------------------------------------------------------------- data source
@@ -97,7 +97,7 @@ def generate(actor, batch, p: GenParams):
 @operator(
     "test.reward", scope="row",
     inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]"},
-    outputs={"token_level_scores": "float32[B, R]"}, node_name="reward",
+    outputs={"token_level_scores": "float32[B, R]"}, node_name="reward", score="token_level_scores",
 )
 def reward(batch, p):
     scores = (batch["responses"] % 2).float() * batch["response_mask"]
@@ -214,3 +214,22 @@ def fault(critic, batch, p: Fault):
 
         os._exit(3)
     return {"fault_out": torch.zeros(len(batch))}
+
+
+def _first_beta(p: Params) -> dict[str, float]:
+    return {"beta": 1.0}
+
+
+@operator(
+    "test.stateful_kl", role="actor", role_kinds=("test_actor",), scope="batch",
+    inputs={"token_level_scores": "float32[B, R]", "old_log_probs": "float32[B, R]",
+            "ref_log_prob": "float32[B, R]"},
+    outputs={"token_level_rewards": "float32[B, R]"}, node_name="kl_reward", state=StateSpec(_first_beta),
+)
+def stateful_kl(actor, batch, p):
+    """Split across the actor's ranks; each rank would move β by its own rows' KL."""
+    state = batch.meta_info["operator_state"]
+    beta = state["beta"]
+    kl = batch["old_log_probs"] - batch["ref_log_prob"]
+    state["beta"] = beta + 1.0 + float(kl.abs().sum())
+    return {"token_level_rewards": batch["token_level_scores"] - beta * kl}, {"beta": beta}

@@ -157,23 +157,21 @@ def test_reward_model_operator_scores_on_the_last_response_token():
 
 
 def test_adaptive_kl_reward_moves_beta_toward_the_target():
-    from flowrl.runtime.worker import RoleContext
     from operators import kl
-    from operators.roles import Actor, ActorConfig
 
-    actor = Actor(ActorConfig(), RoleContext("actor", 0, 1, seed=0))
     mask = torch.ones(4, 2, dtype=torch.int64)
     batch = DataProto.from_dict(tensors={
         "token_level_scores": torch.zeros(4, 2), "response_mask": mask,
         "old_log_probs": torch.zeros(4, 2), "ref_log_prob": torch.full((4, 2), -1.0),  # k1 KL = 1 per token
     })
-    first = kl.adaptive_reward(actor, batch, init_kl_coef=0.1, target_kl=0.5, horizon=100)
+    first = kl.adaptive_reward(batch, init_kl_coef=0.1, target_kl=0.5, horizon=100)
     assert first.meta_info["metrics"]["actor/kl_coef"] == pytest.approx(0.1)
     assert torch.allclose(first.batch["token_level_rewards"], torch.full((4, 2), -0.1))
-    second = kl.adaptive_reward(actor, batch, init_kl_coef=0.1, target_kl=0.5, horizon=100)
+    batch.meta_info["operator_state"] = first.meta_info["operator_state"]  # the declared state, carried on
+    second = kl.adaptive_reward(batch, init_kl_coef=0.1, target_kl=0.5, horizon=100)
     # KL 1.0 > target 0.5: error clipped to +0.2, β ← 0.1 · (1 + 0.2 · 4/100)
     assert second.meta_info["metrics"]["actor/kl_coef"] == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))
-    assert "kl_ctrl" in actor.state_dict()["extra_state"]
+    assert second.meta_info["operator_state"]["kl_coef"] == pytest.approx(0.1 * (1 + 0.2 * 4 / 100) ** 2)
 
 
 def test_a_local_model_directory_and_a_verl_parquet_file_train_end_to_end(tmp_path):

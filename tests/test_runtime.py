@@ -252,6 +252,7 @@ def test_light_nodes_between_one_pool_run_in_its_process(tmp_path):
         r = rt.run_step(next(batches(4)))
     assert {i.pool for i in r.infos if i.node in ("reward", "advantage")} == {"train"}
     assert len(r.data) == 8
+    assert ("driver", 0) not in rt.backend.workers  # no node runs on the driver: no driver worker
     # pools are joined (ppo: train and critic feed the advantage): they stay on the driver
     assert place_light_nodes(load_graph(HERE / "data" / "ppo.yaml")) == {}
 
@@ -281,3 +282,35 @@ def test_a_source_batch_unlike_its_declared_columns_fails_naming_them():
         with pytest.raises(DataSourceMismatch) as exc:
             rt.run_step(bad)
     assert "step 0" in str(exc.value) and "prompts: dtype float32, expected int64" in str(exc.value)
+
+
+def test_an_operator_returning_the_wrong_number_of_rows_fails_naming_node_and_counts(tmp_path):
+    g = graph_from("ppo.yaml", tmp_path, nodes__reward={"op": "tests.userpkg.faults:short_reward"})
+    with Runtime(g, backend="local", resources=BIG) as rt:
+        with pytest.raises(NodeError) as exc:
+            rt.run_step(next(batches(4)))
+    # 4 prompts × n=1 in 2 micro-batches: each reward task gets 2 rows and returns 1
+    assert exc.value.node == "reward"
+    assert "node 'reward' returned 1 rows, expected 2" in str(exc.value)
+
+
+def test_the_eager_path_checks_row_counts_too():
+    import torch
+
+    from flowrl.data.expand import RowCountError
+    from tests.userpkg.faults import short_reward
+
+    batch = DataProto.from_dict(tensors={"responses": torch.zeros(3, 2, dtype=torch.int64),
+                                         "response_mask": torch.ones(3, 2, dtype=torch.int64)})
+    with pytest.raises(RowCountError) as exc:
+        short_reward(batch)
+    assert (exc.value.node, exc.value.expected, exc.value.actual) == ("userpkg.short_reward", 3, 2)
+
+
+def test_backends_are_registered_by_name():
+    from flowrl.runtime.backends import BACKENDS, LocalBackend, make_backend
+
+    assert {"local", "ray"} <= set(BACKENDS) and isinstance(make_backend("local"), LocalBackend)
+    with pytest.raises(ValueError) as exc:
+        make_backend("slurm")
+    assert "unknown backend 'slurm'" in str(exc.value) and "local, ray" in str(exc.value)

@@ -1,5 +1,7 @@
-"""``flowrl plan``: placement, per-pool order, micro-batching, staleness, and a
-predicted timeline drawn as a Gantt chart — all before any model starts.
+"""``flowrl plan``: placement, every task of a step (the rows it reads and their
+repeat factor, its dispatch over the pool's ranks, its gates and weight syncs),
+per-pool order, staleness, and a predicted timeline drawn as a Gantt chart — all
+before any model starts. What it prints is the plan the runtime submits.
 
 Example::
 
@@ -15,8 +17,11 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from flowrl.runtime.plan import DRIVER, Plan, Simulation
+from flowrl.data.dispatch import get_mode
+from flowrl.graph import SOURCE
+from flowrl.runtime.plan import DRIVER, Plan, Read, Simulation, Task
 from visualizer.dag import pool_colors
+
 
 def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 80) -> Group:
     g = plan.graph
@@ -49,6 +54,8 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
                       rows, node.op.dispatch if node.op else "?")
     parts.append(sched)
 
+    parts.append(render_tasks(plan, colors))
+
     order = Text("per-pool order (critical path first):\n", style="bold")
     for pool, keys in plan.pool_order.items():
         order.append(f"  {pool}: ", style=colors.get(pool, "white"))
@@ -66,6 +73,56 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
     sim = plan.simulate(costs)
     parts.append(render_gantt(plan, sim, colors, width=width))
     return Group(*parts)
+
+
+def _tag(key: tuple[str, int | None]) -> str:
+    return key[0] + (f"[{key[1]}]" if key[1] is not None else "")
+
+
+def _read_text(r: Read) -> str:
+    srcs = r.srcs
+    if len(srcs) > 1 and all(k[0] == srcs[0][0] for k in srcs):
+        src = f"{srcs[0][0]}[{srcs[0][1]}..{srcs[-1][1]}]"  # every micro-batch of one producer
+    else:
+        src = ", ".join("data" if k[0] == SOURCE else _tag(k) for k in srcs)
+    rows = f" rows {r.rows[0]}:{r.rows[1]}" if r.rows is not None else ""
+    rep = f" ×{r.repeat}" if r.repeat > 1 else ""
+    return f"{src}{rows}{rep} ({len(r.fields)} field{'s' if len(r.fields) != 1 else ''})"
+
+
+def _rows_in(plan: Plan, task: Task) -> int:
+    """The rows a task's operator receives (before its dispatch splits them over ranks)."""
+    for r in task.reads:
+        if r.rows is not None:
+            return (r.rows[1] - r.rows[0]) * r.repeat
+        n = sum(plan.rows(plan.spaces[k[0]], k[1])[1] - plan.rows(plan.spaces[k[0]], k[1])[0] for k in r.srcs)
+        return n * r.repeat
+    return 0
+
+
+def render_tasks(plan: Plan, colors: dict[str, str]) -> Table:
+    """Every task of one step: what it reads, its rows, its dispatch over ranks, its gates and syncs."""
+    table = Table(title="tasks of step t (what the runtime submits)", title_justify="left")
+    for col in ("task", "pool", "reads", "rows in → out", "ranks (dispatch)", "gates / syncs"):
+        table.add_column(col, overflow="fold")
+    for key in plan.order:
+        t = plan.tasks[key]
+        n_in = _rows_in(plan, t)
+        mode = get_mode(t.dispatch)
+        ranks = ",".join(map(str, t.ranks))
+        collect = "all ranks" if list(t.collected) == list(t.ranks) and len(t.ranks) > 1 else \
+            f"rank {','.join(map(str, t.collected))}"
+        dispatch = f"{t.dispatch}: {ranks} → {collect}" + (" (whole batch each)" if
+                                                            mode.name == "all" and len(t.ranks) > 1 else "")
+        gates = [f"after {g.src}@t-{g.offset} (weights ≥ version t" + (f"-{g.staleness})" if g.staleness else ")")
+                 for g in t.gates]
+        gates += [f"load {g.sync_role} ← {g.role}@t-{g.offset}" for g in t.syncs]
+        if t.updates:
+            gates.append(f"updates {t.updates}" + (", publishes its weights" if t.publishes else ""))
+        table.add_row(Text(_tag(key), style=colors.get(t.pool, "white")), t.pool,
+                      "; ".join(_read_text(r) for r in t.reads) or "-", f"{n_in} → {n_in * t.factor}",
+                      dispatch, "; ".join(gates) or "-")
+    return table
 
 
 def render_gantt(plan: Plan, sim: Simulation, colors: dict[str, str], width: int = 80) -> Text:

@@ -17,7 +17,8 @@ import sys
 import types
 from typing import Any
 
-from flowrl.graph.checks import (
+from flowrl.graph.checks import Report, check
+from flowrl.graph.problems import (
     CycleError,
     DataSourceError,
     DuplicateProducerError,
@@ -28,27 +29,26 @@ from flowrl.graph.checks import (
     MissingProducerError,
     ParameterError,
     PoolError,
-    Report,
     ResourceError,
     RoleError,
     RoleWithoutPoolError,
     SchemaError,
     UnknownOperatorError,
     UnusedOutputWarning,
-    check,
 )
 from flowrl.graph.config import GraphConfig
-from flowrl.graph.ir import SOURCE, Graph, Node, StateEdge
+from flowrl.graph.declare import operator
+from flowrl.graph.ir import Graph, Node, StateEdge
 from flowrl.graph.load import builtin_graphs, load_graph
-from flowrl.graph.declare import NoParams, OperatorOutputError, OperatorSpec, Params, operator
 from flowrl.graph.registry import REGISTRY, role_kind, source
+from flowrl.graph.spec import SOURCE, NoParams, OperatorOutputError, OperatorSpec, Params, StateSpec
 from flowrl.graph.trace import GraphBuilder, TracedBatch, graph
 
 __all__ = [
     "CycleError", "DataSourceError", "DuplicateProducerError", "FieldTypeError", "Graph", "GraphBuilder",
     "GraphConfig", "GraphError", "GraphProblem", "GraphSyntaxError", "MissingProducerError", "Node",
     "NoParams", "OperatorOutputError", "OperatorSpec", "ParameterError", "Params", "PoolError", "REGISTRY",
-    "Report", "ResourceError", "RoleError", "RoleWithoutPoolError", "SOURCE", "SchemaError", "StateEdge",
+    "Report", "ResourceError", "RoleError", "RoleWithoutPoolError", "SOURCE", "SchemaError", "StateEdge", "StateSpec",
     "TracedBatch", "UnknownOperatorError", "UnusedOutputWarning", "builtin_graphs", "check", "graph",
     "load_graph", "operator", "role_kind", "source",
 ]

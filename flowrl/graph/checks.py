@@ -18,138 +18,33 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
-from flowrl.graph.ir import SOURCE, BuildProblem, Graph, Location
+from flowrl.graph.problems import (
+    BuildProblem,
+    CycleError,
+    DataSourceError,
+    DuplicateProducerError,
+    FieldTypeError,
+    GraphError,
+    GraphProblem,
+    MissingProducerError,
+    ParameterError,
+    PoolError,
+    ResourceError,
+    RoleError,
+    RoleWithoutPoolError,
+    SchemaError,
+    UnknownOperatorError,
+    UnresolvedInputWarning,
+    UnusedOutputWarning,
+)
+from flowrl.graph.spec import SOURCE
 
-
-class GraphProblem(Exception):
-    """One thing wrong with a graph definition."""
-
-    severity: ClassVar[str] = "error"
-    title: ClassVar[str] = "problem"
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        node: str | None = None,
-        field: str | None = None,
-        location: Location | None = None,
-        fix: str = "",
-    ) -> None:
-        self.message, self.node, self.field, self.fix = message, node, field, fix
-        self.location = location or Location()
-        super().__init__(str(self))
-
-    def where(self) -> str:
-        parts = []
-        if str(self.location):
-            parts.append(str(self.location))
-        if self.node:
-            parts.append(f"node {self.node!r}")
-        if self.field:
-            parts.append(f"field {self.field!r}")
-        return ", ".join(parts)
-
-    def __str__(self) -> str:
-        where = self.where()
-        text = f"{where}: {self.message}" if where else self.message
-        return f"{text}\n    fix: {self.fix}" if self.fix else text
-
-
-class GraphSyntaxError(GraphProblem):
-    """The file is not valid YAML (or the Python module did not import)."""
-
-    title = "syntax"
-
-
-class SchemaError(GraphProblem):
-    """A key is unknown, missing or of the wrong type in the graph file."""
-
-    title = "schema"
-
-
-class CycleError(GraphProblem):
-    """The nodes depend on each other in a loop within one step."""
-
-    title = "cycle"
-
-
-class MissingProducerError(GraphProblem):
-    """A node reads a field nothing produces."""
-
-    title = "missing producer"
-
-
-class DuplicateProducerError(GraphProblem):
-    """Two nodes (or a node and the data source) write the same field."""
-
-    title = "two producers"
-
-
-class FieldTypeError(GraphProblem):
-    """A producer's dtype or shape does not match what a consumer expects."""
-
-    title = "type mismatch"
-
-
-class UnknownOperatorError(GraphProblem):
-    """``op:`` names no registered operator and no importable one."""
-
-    title = "unknown operator"
-
-
-class ParameterError(GraphProblem):
-    """An operator (or data source or role) parameter is unknown, missing or ill-typed."""
-
-    title = "parameter"
-
-
-class RoleError(GraphProblem):
-    """A node names a role that does not exist, or of the wrong kind, or takes none."""
-
-    title = "role"
-
-
-class RoleWithoutPoolError(GraphProblem):
-    """A role is used but no pool hosts it."""
-
-    title = "role without pool"
-
-
-class PoolError(GraphProblem):
-    """A pool names an unknown role, or a role sits in two pools."""
-
-    title = "pool"
-
-
-class ResourceError(GraphProblem):
-    """The pools ask for more CPUs or GPUs than the cluster has."""
-
-    title = "resources"
-
-
-class DataSourceError(GraphProblem):
-    """The data source is unknown or misconfigured."""
-
-    title = "data source"
-
-
-class UnresolvedInputWarning(GraphProblem):
-    """An input with no producer while some node's operator is unknown (likely its output)."""
-
-    severity = "warning"
-    title = "unresolved input"
-
-
-class UnusedOutputWarning(GraphProblem):
-    """A node writes a field nobody reads."""
-
-    severity = "warning"
-    title = "unused output"
+if TYPE_CHECKING:  # the IR calls these checks (Graph.check); they only read it
+    from flowrl.graph.ir import Graph
 
 
 @dataclass
@@ -177,17 +72,6 @@ class Report:
     def raise_if_errors(self) -> None:
         if self.errors:
             raise GraphError(self.errors, self.warnings)
-
-
-class GraphError(Exception):
-    """A graph that cannot run; ``problems`` lists every error found."""
-
-    def __init__(self, problems: list[GraphProblem], warnings: list[GraphProblem] | None = None):
-        self.problems = problems
-        self.warnings = warnings or []
-        n = len(problems)
-        body = "\n".join(f"  {i}. [{p.title}] {p}" for i, p in enumerate(problems, 1))
-        super().__init__(f"{n} error{'s' if n != 1 else ''} in the graph:\n{body}")
 
 
 _BUILD_KINDS: dict[str, type[GraphProblem]] = {
@@ -402,7 +286,7 @@ def _check_unused(graph: Graph, add) -> None:
 
 
 __all__: list[Any] = [
-    "GraphProblem", "GraphSyntaxError", "SchemaError", "CycleError", "MissingProducerError",
+    "GraphProblem", "SchemaError", "CycleError", "MissingProducerError",
     "DuplicateProducerError", "FieldTypeError", "UnknownOperatorError", "ParameterError", "RoleError",
     "RoleWithoutPoolError", "PoolError", "ResourceError", "DataSourceError", "UnusedOutputWarning",
     "UnresolvedInputWarning",

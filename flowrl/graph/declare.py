@@ -31,159 +31,39 @@ dict of its outputs, or ``(outputs, metrics)``.
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping
-
-from pydantic import BaseModel, ConfigDict
+from typing import Any, Callable, Mapping
 
 from flowrl.data.fields import Field
+from flowrl.data.dispatch import DISPATCH_MODES
+from flowrl.graph import trace
+from flowrl.graph.registry import REGISTRY
+from flowrl.graph.spec import (
+    SCOPES,
+    NoParams,
+    OperatorDeclarationError,
+    OperatorOutputError,
+    OperatorSpec,
+    Params,
+    Scope,
+    StateSpec,
+)
 
-Scope = Literal["row", "group", "batch"]
-Dispatch = Literal["split", "all", "driver"]
-
-SCOPES: tuple[str, ...] = ("row", "group", "batch")
-DISPATCHES: tuple[str, ...] = ("split", "all", "driver")
-
-
-class Params(BaseModel):
-    """Base class of operator parameters: typed, defaulted, no unknown keys."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
-
-
-class NoParams(Params):
-    """An operator without parameters."""
-
-
-class OperatorDeclarationError(TypeError):
-    """An operator was declared inconsistently (a programming error, raised at import)."""
+#: top-level packages whose operators are pickled by name (importable wherever flowrl is installed)
+BY_REFERENCE = {"operators", "flowrl"}
 
 
-class OperatorOutputError(RuntimeError):
-    """An operator returned something other than what it declared."""
+class Operator(OperatorSpec):
+    """A declared operator: its spec, callable like the function it wraps.
 
+    Called with a traced batch it records a node; with a real batch it runs
+    eagerly (see :mod:`flowrl.graph.trace`).
+    """
 
-@dataclass(frozen=True)
-class OperatorSpec:
-    """Everything the graph layer knows about an operator, without running it."""
-
-    name: str
-    fn: Callable[..., Any]
-    inputs: tuple[Field, ...]
-    outputs: tuple[Field, ...]
-    params: type[Params] = NoParams
-    role: str | None = None
-    role_kinds: tuple[str, ...] = ()
-    scope: Scope = "row"
-    dispatch: Dispatch = "split"
-    updates_role: bool = False
-    node_name: str = ""
-    doc: str = ""
-    cost: float = 1.0
-    group_key: str = "uid"
-    module: str = ""
-    optional_inputs: tuple[str, ...] = field(default=())
-    expands: str | None = None
-    aux_outputs: tuple[str, ...] = field(default=())  # outputs often unread: no warning when they are
-
-    def expansion(self, params: "Params") -> int:
-        """How many output rows each input row becomes (``n`` samples per prompt), else 1."""
-        return int(getattr(params, self.expands)) if self.expands else 1
-
-    @property
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.inputs)
-
-    @property
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.outputs)
-
-    def input(self, name: str) -> Field:
-        return next(f for f in self.inputs if f.name == name)
-
-    def output(self, name: str) -> Field:
-        return next(f for f in self.outputs if f.name == name)
-
-    def default_node_name(self) -> str:
-        return self.node_name or self.name.rsplit(".", 1)[-1]
-
-    def param_table(self) -> list[tuple[str, str, str, str]]:
-        """``(name, type, default, description)`` for each parameter (for docs and errors)."""
-        rows = []
-        for pname, info in self.params.model_fields.items():
-            default = "required" if info.is_required() else repr(info.default)
-            ann = getattr(info.annotation, "__name__", str(info.annotation))
-            rows.append((pname, ann, default, info.description or ""))
-        return rows
-
-    def run(self, role: Any, batch: Any, params: Params) -> tuple[Any, dict[str, float]]:
-        """Call the operator body and check its outputs against the declaration.
-
-        Returns ``(outputs as a DataProto, metrics)``. The body may return a dict of
-        outputs, ``(outputs, metrics)``, a DataProto, or None when it declares no
-        outputs.
-        """
-        import numpy as np
-        import torch
-
-        from flowrl.data import DataProto
-
-        result = self.fn(role, batch, params) if self.role else self.fn(batch, params)
-        metrics: dict[str, float] = {}
-        if isinstance(result, tuple):
-            if len(result) != 2:
-                raise OperatorOutputError(f"operator {self.name!r} returned a tuple of {len(result)}; "
-                                          f"return outputs or (outputs, metrics)")
-            result, metrics = result
-            metrics = dict(metrics or {})
-        if result is None:
-            result = {}
-        if isinstance(result, DataProto):
-            cols: dict[str, Any] = {**{k: result.batch[k] for k in (result.batch.keys() if result.batch is not None else [])},
-                                    **result.non_tensor_batch}
-        elif isinstance(result, dict):
-            cols = dict(result)
-        else:
-            raise OperatorOutputError(f"operator {self.name!r} returned {type(result).__name__}; "
-                                      f"return a dict of its outputs")
-        declared = {f.name: f for f in self.outputs}
-        missing = [n for n in declared if n not in cols and declared[n].kind != "meta"]
-        extra = [n for n in cols if n not in declared]
-        if missing or extra:
-            parts = []
-            if missing:
-                parts.append(f"did not return {', '.join(missing)}")
-            if extra:
-                parts.append(f"returned undeclared {', '.join(extra)}")
-            raise OperatorOutputError(
-                f"operator {self.name!r} {' and '.join(parts)}; it declares outputs "
-                f"{', '.join(declared) or '(none)'}"
-            )
-        tensors, non_tensors, meta = {}, {}, {}
-        for name, value in cols.items():
-            f = declared[name]
-            if f.kind == "meta":
-                meta[name] = value
-            elif f.kind == "non_tensor":
-                arr = value if isinstance(value, np.ndarray) else np.array(list(value), dtype=object)
-                non_tensors[name] = arr.astype(object, copy=False)
-            else:
-                if not isinstance(value, torch.Tensor):
-                    raise OperatorOutputError(f"operator {self.name!r}: output {name!r} must be a tensor "
-                                              f"({f.spec}), got {type(value).__name__}")
-                dtype = str(value.dtype).removeprefix("torch.")
-                if f.dtype not in ("*", dtype):
-                    raise OperatorOutputError(f"operator {self.name!r}: output {name!r} is {dtype}, "
-                                              f"declared {f.spec}")
-                tensors[name] = value
-        out = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=meta) if (tensors or non_tensors) \
-            else DataProto(meta_info=meta)
-        problems = out.check_fields(self.outputs)  # shapes agree with the declaration (R is one R)
-        if problems:
-            raise OperatorOutputError(f"operator {self.name!r} returned outputs that do not match its "
-                                      f"declaration: {'; '.join(problems)}")
-        return out, {k: float(v) for k, v in metrics.items()}
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Trace into a graph when given a traced batch; otherwise run eagerly."""
+        return trace.call_operator(self, *args, **kwargs)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Operators of installed packages travel by name: the receiving worker
@@ -192,25 +72,11 @@ class OperatorSpec:
         top = self.module.split(".", 1)[0]
         if top in BY_REFERENCE:
             return (find_operator, (self.name, self.module))
-        return (OperatorSpec, tuple(getattr(self, f) for f in self.__dataclass_fields__))
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Trace into a graph when given a traced batch; otherwise run eagerly."""
-        from flowrl.graph import trace
-
-        return trace.call_operator(self, *args, **kwargs)
-
-
-#: top-level packages whose operators are pickled by name (importable wherever flowrl is installed)
-BY_REFERENCE = {"operators", "flowrl"}
+        return (Operator, tuple(getattr(self, f) for f in self.__dataclass_fields__))
 
 
 def find_operator(name: str, module: str) -> OperatorSpec:
     """The registered spec ``name``, importing ``module`` (which declares it) first."""
-    import importlib
-
-    from flowrl.graph.registry import REGISTRY
-
     importlib.import_module(module)
     return REGISTRY.operators[name]
 
@@ -238,7 +104,7 @@ def operator(
     role: str | None = None,
     role_kinds: tuple[str, ...] | None = None,
     scope: Scope = "row",
-    dispatch: Dispatch | None = None,
+    dispatch: str | None = None,
     updates_role: bool = False,
     node_name: str = "",
     cost: float = 1.0,
@@ -246,8 +112,12 @@ def operator(
     optional_inputs: tuple[str, ...] = (),
     expands: str | None = None,
     aux_outputs: tuple[str, ...] = (),
+    score: str | None = None,
+    val_params: Mapping[str, Any] | None = None,
+    dumped: tuple[str, ...] = (),
+    state: StateSpec | None = None,
     register: bool = True,
-) -> Callable[[Callable[..., Any]], OperatorSpec]:
+) -> Callable[[Callable[..., Any]], Operator]:
     """Declare (and register) an operator; see the module docstring.
 
     ``role`` is the role a node binds to unless the graph says otherwise;
@@ -261,22 +131,37 @@ def operator(
     earlier columns to match, as verl's ``repeat(n, interleave=True)``.
     ``aux_outputs`` are by-products a graph often leaves unread (a sample's
     weight version): no "unused output" warning for them.
+    ``score`` names the output validation scores responses by (a reward's);
+    ``val_params`` are parameters set when the node runs in validation
+    (``{"greedy": True}``); ``dumped`` are fields it reads or writes that belong in a rollout dump.
+    ``state`` declares state kept across steps (see :class:`StateSpec`).
     """
     if scope not in SCOPES:
         raise OperatorDeclarationError(f"operator {name!r}: scope must be one of {SCOPES}, not {scope!r}")
     dispatch = dispatch or ("split" if role else "driver")
-    if dispatch not in DISPATCHES:
+    if dispatch not in DISPATCH_MODES:
         raise OperatorDeclarationError(
-            f"operator {name!r}: dispatch must be one of {DISPATCHES}, not {dispatch!r}"
+            f"operator {name!r}: dispatch must be a registered mode ({', '.join(DISPATCH_MODES)}), "
+            f"not {dispatch!r}"
         )
     if not (isinstance(params, type) and issubclass(params, Params)):
         raise OperatorDeclarationError(f"operator {name!r}: params must be a subclass of flowrl.graph.Params")
     if expands is not None and expands not in params.model_fields:
         raise OperatorDeclarationError(f"operator {name!r}: expands={expands!r} is not one of its parameters")
+    if score is not None and score not in (outputs or {}):
+        raise OperatorDeclarationError(f"operator {name!r}: score={score!r} is not one of its outputs")
+    unknown_dumped = [n for n in dumped if n not in (outputs or {}) and n not in (inputs or {})]
+    if unknown_dumped:
+        raise OperatorDeclarationError(f"operator {name!r}: dumped names {', '.join(unknown_dumped)}, "
+                                       f"which it neither reads nor writes")
+    unknown_val = [k for k in (val_params or {}) if k not in params.model_fields]
+    if unknown_val:
+        raise OperatorDeclarationError(f"operator {name!r}: val_params names {', '.join(unknown_val)}, "
+                                       f"which are not its parameters")
     if updates_role and not role:
         raise OperatorDeclarationError(f"operator {name!r}: updates_role needs a role")
 
-    def wrap(fn: Callable[..., Any]) -> OperatorSpec:
+    def wrap(fn: Callable[..., Any]) -> Operator:
         n_args = len(inspect.signature(fn).parameters)
         want = 3 if role else 2
         if n_args != want:
@@ -285,7 +170,7 @@ def operator(
                 f"operator {name!r}: {fn.__qualname__} takes {n_args} arguments; "
                 f"an operator {'with' if role else 'without'} a role is called as fn{shape}"
             )
-        spec = OperatorSpec(
+        spec = Operator(
             name=name,
             fn=fn,
             inputs=_fields(inputs, "input", name),
@@ -304,11 +189,17 @@ def operator(
             optional_inputs=tuple(optional_inputs),
             expands=expands,
             aux_outputs=tuple(aux_outputs),
+            score=score,
+            val_params=dict(val_params or {}),
+            dumped=tuple(dumped),
+            state=state,
         )
         if register:
-            from flowrl.graph.registry import REGISTRY
-
             REGISTRY.add_operator(spec)
         return spec
 
     return wrap
+
+
+__all__ = ["BY_REFERENCE", "NoParams", "Operator", "OperatorDeclarationError", "OperatorOutputError", "OperatorSpec",
+           "Params", "StateSpec", "find_operator", "operator"]

@@ -29,24 +29,11 @@ import networkx as nx
 from pydantic import ValidationError
 
 from flowrl.data.fields import Field
+from flowrl.graph.checks import Report, check
 from flowrl.graph.config import GraphConfig, NodeConfig, RoleConfig
-from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError
-
-#: the name of the pseudo-node producing the data source's columns
-SOURCE = "data"
-
-
-@dataclass(frozen=True)
-class Location:
-    """Where something was written: a file and a line, either possibly unknown."""
-
-    file: str | None = None
-    line: int | None = None
-
-    def __str__(self) -> str:
-        if self.file and self.line:
-            return f"{self.file}:{self.line}"
-        return self.file or (f"line {self.line}" if self.line else "")
+from flowrl.graph.problems import BuildProblem, Location
+from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError, load_module
+from flowrl.graph.spec import SOURCE, OperatorSpec, Params
 
 
 @dataclass
@@ -55,8 +42,8 @@ class Node:
 
     name: str
     config: NodeConfig
-    op: Any = None  # OperatorSpec, or None when the operator could not be resolved
-    params: Any = None  # the validated Params instance, or None when invalid
+    op: OperatorSpec | None = None  # None when the operator could not be resolved
+    params: Params | None = None  # None when invalid
     role: str | None = None
     inputs: tuple[Field, ...] = ()  # graph-level field names (after renames)
     outputs: tuple[Field, ...] = ()
@@ -109,18 +96,6 @@ class StateEdge:
     staleness: int
 
 
-@dataclass
-class BuildProblem:
-    """A problem met while resolving the config; turned into a checker error."""
-
-    kind: str  # "unknown_operator" | "parameter" | "import" | "source" | "role_kind" | "role_settings"
-    message: str
-    node: str | None = None
-    field: str | None = None
-    path: tuple[Any, ...] = ()
-    fix: str = ""
-
-
 class Graph:
     """An inert, checked-on-demand RL step: what ``validate``, ``viz``, ``plan`` and ``run`` consume."""
 
@@ -169,8 +144,6 @@ class Graph:
         return Location(self.source_file, self._lines.get((), None))
 
     def _import_modules(self) -> None:
-        from flowrl.graph.registry import load_module
-
         for i, mod in enumerate(self.config.imports):
             try:
                 load_module(mod)
@@ -363,6 +336,24 @@ class Graph:
                 out.setdefault(f.name, []).append(name)
         return out
 
+    def dumped_fields(self) -> list[str]:
+        """Fields the graph's operators declare worth a rollout dump (``dumped=``), graph names."""
+        out: list[str] = []
+        for node in self.nodes.values():
+            if node.op is None:
+                continue
+            renames = {**node.config.inputs, **node.config.outputs}
+            out.extend(g for g in (renames.get(f, f) for f in node.op.dumped) if g not in out)
+        return out
+
+    def scorer(self) -> tuple[str, str] | None:
+        """``(node, field)``: the first node, in the file's order, whose operator declares a
+        ``score`` output (a reward), with that output's graph name; None when nothing scores."""
+        for name, node in self.nodes.items():
+            if node.op is not None and node.op.score is not None:
+                return name, node.config.outputs.get(node.op.score, node.op.score)
+        return None
+
     def topological_order(self) -> list[str]:
         """Nodes in a dependency order (declaration order breaks ties)."""
         rank = {n: i for i, n in enumerate(self.nodes)}
@@ -390,10 +381,8 @@ class Graph:
         """The pool a node runs on; ``None`` for driver nodes."""
         return self.pool_of_role(self.nodes[node].role)
 
-    def check(self, resources: dict[str, float] | None = None):
+    def check(self, resources: dict[str, float] | None = None) -> Report:
         """Run every check; see :func:`flowrl.graph.checks.check`."""
-        from flowrl.graph.checks import check
-
         return check(self, resources=resources)
 
     @property

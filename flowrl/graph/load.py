@@ -21,9 +21,10 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from flowrl.graph.checks import GraphError, GraphProblem, GraphSyntaxError, SchemaError
-from flowrl.graph.config import GraphConfig
-from flowrl.graph.ir import Graph, Location
+from flowrl.graph.config import GraphConfig, PoolConfig, ScheduleConfig, TrainerConfig
+from flowrl.graph.ir import Graph
+from flowrl.graph.problems import GraphError, GraphProblem, GraphSyntaxError, Location, SchemaError
+from flowrl.graph.registry import ImportPathError, load_module
 
 
 def builtin_graphs_dir() -> Path | None:
@@ -96,8 +97,6 @@ def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> Grap
 
 def load_python(ref: str) -> Graph:
     """The :class:`Graph` a Python file or module defines (``file.py`` or ``file.py:name``)."""
-    from flowrl.graph.registry import ImportPathError, load_module
-
     mod_ref, _, attr = ref.partition(":") if not ref.endswith(".py") else (ref, "", "")
     try:
         module = load_module(mod_ref)
@@ -159,15 +158,13 @@ def schema_problems(e: ValidationError, lines: dict[tuple[Any, ...], int], file:
 
 
 def _allowed_keys(loc: tuple[Any, ...]) -> str:
-    from flowrl.graph import config as c
-
-    sections = {"schedule": c.ScheduleConfig, "trainer": c.TrainerConfig}
+    sections = {"schedule": ScheduleConfig, "trainer": TrainerConfig}
     if loc[:1] == ("pools",) and len(loc) == 3:
-        model: Any = c.PoolConfig
+        model: Any = PoolConfig
     elif len(loc) == 2 and loc[0] in sections:
         model = sections[loc[0]]
     else:
-        model = c.GraphConfig
+        model = GraphConfig
     return "allowed keys: " + ", ".join(model.model_fields)
 
 

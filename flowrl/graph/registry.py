@@ -25,6 +25,7 @@ from typing import Any, Callable, Mapping
 from pydantic import BaseModel
 
 from flowrl.data.fields import Field
+from flowrl.graph.spec import OperatorSpec
 
 ENTRY_POINT_GROUP = "flowrl.operators"
 
@@ -120,13 +121,13 @@ class Registry:
     """Operators, data sources and role kinds, by name."""
 
     def __init__(self) -> None:
-        self.operators: dict[str, Any] = {}
+        self.operators: dict[str, OperatorSpec] = {}
         self.sources: dict[str, SourceSpec] = {}
         self.roles: dict[str, RoleKind] = {}
         self._plugins_loaded = False
 
     # -- declaring
-    def add_operator(self, spec: Any) -> None:
+    def add_operator(self, spec: OperatorSpec) -> None:
         old = self.operators.get(spec.name)
         if old is not None and old.module != spec.module:
             raise ValueError(
@@ -150,10 +151,8 @@ class Registry:
             importlib.import_module(ep.value.split(":")[0])
 
     # -- finding
-    def operator(self, name: str) -> Any:
+    def operator(self, name: str) -> OperatorSpec:
         """An operator by registered name or by import path (``mypkg.ops:length_penalty``)."""
-        from flowrl.graph.declare import OperatorSpec
-
         if ":" in name:
             obj = load_object(name)
             if not isinstance(obj, OperatorSpec):

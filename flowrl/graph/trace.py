@@ -28,13 +28,18 @@ object first: ``old_logprob(actor, batch)``.
 from __future__ import annotations
 
 import inspect
+import os
 import sys
 from typing import Any, Callable, Mapping
 
 from pydantic import ValidationError
 
+from flowrl.data.expand import check_rows, expand_rows
 from flowrl.graph.config import GraphConfig, NODE_KEYS
 from flowrl.graph.ir import Graph
+from flowrl.graph.load import schema_problems
+from flowrl.graph.problems import GraphError
+from flowrl.graph.spec import OperatorSpec
 
 _NODE_KWARGS = ("name",) + NODE_KEYS
 
@@ -92,7 +97,7 @@ class GraphBuilder:
         self.lines: dict[tuple[Any, ...], int] = {}
         self.source_file: str | None = None
 
-    def node(self, name: str | None, op: Any, *, line: int | None = None, **keys: Any) -> str:
+    def node(self, name: str | None, op: OperatorSpec | str, *, line: int | None = None, **keys: Any) -> str:
         """Add a node; ``op`` is an operator (spec) or its registered name. Returns its name."""
         op_name = op if isinstance(op, str) else op.name
         if name is None:
@@ -109,9 +114,6 @@ class GraphBuilder:
 
     def build(self) -> Graph:
         """Validate the keys and build the IR (raises :class:`GraphError` on schema errors)."""
-        from flowrl.graph.checks import GraphError
-        from flowrl.graph.load import schema_problems
-
         try:
             config = GraphConfig.model_validate(self.config)
         except ValidationError as e:
@@ -151,14 +153,14 @@ def graph(
     return wrap
 
 
-def call_operator(spec: Any, *args: Any, **kwargs: Any) -> Any:
+def call_operator(spec: OperatorSpec, *args: Any, **kwargs: Any) -> Any:
     """What calling an operator does: record a node while tracing, else run it."""
     if args and isinstance(args[-1], TracedBatch) and len(args) == 1:
         return _record(spec, args[0], kwargs)
     return run_eager(spec, *args, **kwargs)
 
 
-def _record(spec: Any, batch: TracedBatch, kwargs: dict[str, Any]) -> TracedBatch:
+def _record(spec: OperatorSpec, batch: TracedBatch, kwargs: dict[str, Any]) -> TracedBatch:
     builder = batch._builder
     caller = sys._getframe(3)
     keys = {k: kwargs.pop(k) for k in list(kwargs) if k in _NODE_KWARGS}
@@ -166,7 +168,7 @@ def _record(spec: Any, batch: TracedBatch, kwargs: dict[str, Any]) -> TracedBatc
     return TracedBatch(builder, after=node_name)
 
 
-def run_eager(spec: Any, *args: Any, **params: Any) -> Any:
+def run_eager(spec: OperatorSpec, *args: Any, **params: Any) -> Any:
     """Run an operator on a real batch now; returns the batch with the outputs added."""
     from flowrl.data import DataProto
 
@@ -181,22 +183,28 @@ def run_eager(spec: Any, *args: Any, **params: Any) -> Any:
     if not isinstance(batch, DataProto):
         raise TypeError(f"operator {spec.name!r} takes a DataProto, got {type(batch).__name__}")
     p = spec.params.model_validate(params)
+    state = None
+    if spec.state is not None:  # carried in the batch's meta_info from one eager call to the next
+        state = dict(batch.meta_info.get(spec.state.key) or spec.state.init(p))
+        batch = batch.select()  # a new container: the caller's meta_info stays as it was
+        batch.meta_info[spec.state.key] = state
     outputs, metrics = spec.run(role, batch, p)
-    factor = spec.expansion(p)
+    if outputs.batch is not None or outputs.non_tensor_batch:  # an output with rows (not only metadata)
+        check_rows(spec.name, len(batch), spec.expansion(p), len(outputs))
     # a new container (sharing tensors): verl's union works in place, the caller's batch must not change
-    result = batch.repeat(factor, interleave=True) if factor > 1 else batch.select()
+    result = expand_rows(batch, spec.expansion(p)).select()
     if len(outputs):
         result = result.union(outputs)
     if metrics:
         result.meta_info.setdefault("metrics", {}).update(metrics)
+    if state is not None:
+        result.meta_info[spec.state.key] = state
     return result
 
 
 def _relative(path: str | None) -> str | None:
     if path is None:
         return None
-    import os
-
     try:
         rel = os.path.relpath(path)
         return rel if not rel.startswith("..") else path

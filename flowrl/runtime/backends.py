@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from flowrl.runtime.errors import PlacementError
 from flowrl.runtime.worker import Call, NodeEntry, RoleBuild, Worker
@@ -45,8 +45,8 @@ class Backend(abc.ABC):
     name = "base"
 
     @abc.abstractmethod
-    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int) -> None:
-        """Create every pool's workers (and their roles)."""
+    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int, driver: bool = True) -> None:
+        """Create every pool's workers (and their roles); a driver worker only when ``driver``."""
 
     @abc.abstractmethod
     def submit(self, pool: str, rank: int, call: Call, inputs: list[Any]) -> tuple[Any, Any]:
@@ -66,7 +66,29 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
-        """``(done, pending)`` once at least one is done or ``timeout`` passes."""
+        """``(done, pending)``: every handle done by the time all are, or ``timeout`` passes,
+        or (a backend that can tell cheaply) at least one is."""
+
+    def wait_reports(self, handles: list[Any], timeout: float) -> list[tuple[Any, Any]]:
+        """``(handle, value or the exception it raised)`` for every finished handle, once at
+        least one is finished or ``timeout`` passes; the values are fetched together."""
+        done, _ = self.wait(handles, timeout)
+        if not done:
+            return []
+        try:
+            return list(zip(done, self.get_many(done)))
+        except Exception:  # noqa: BLE001 - find which one failed, and keep the others' values
+            out: list[tuple[Any, Any]] = []
+            for h in done:
+                try:
+                    out.append((h, self.get(h)))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller, named there
+                    out.append((h, exc))
+            return out
+
+    def get_many(self, handles: list[Any]) -> list[Any]:
+        """The values behind ``handles`` (one round trip where the backend allows)."""
+        return [self.get(h) for h in handles]
 
     def worker_label(self, pool: str, rank: int) -> str:
         return f"{pool}[{rank}]"
@@ -75,24 +97,39 @@ class Backend(abc.ABC):
         pass
 
 
+#: every backend, by the name ``flowrl run --backend`` takes: name → factory(address=None)
+BACKENDS: dict[str, Callable[..., Backend]] = {}
+
+
+def backend(name: str) -> Callable[[type[Backend]], type[Backend]]:
+    """Register a backend class under ``name`` (like role kinds and data sources)."""
+
+    def wrap(cls: type[Backend]) -> type[Backend]:
+        BACKENDS[name] = cls
+        cls.name = name
+        return cls
+
+    return wrap
+
+
 # ---------------------------------------------------------------- local
+@backend("local")
 class LocalBackend(Backend):
     """Everything in this process; threads stand in for worker processes."""
 
-    name = "local"
-
-    def __init__(self) -> None:
+    def __init__(self, address: str | None = None) -> None:
         self.workers: dict[tuple[str, int], Worker] = {}
         self.queues: dict[tuple[str, int], _DaemonExecutor] = {}
         self.driver_pool = _DaemonExecutor(serial=False, name="flowrl-driver")
 
-    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int) -> None:
+    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int, driver: bool = True) -> None:
         for p in pools:
             for rank in range(p.workers):
                 self.workers[(p.name, rank)] = Worker(p.name, rank, p.workers, p.roles, nodes, seed,
                                                       threads=max(1, int(p.cpus)), gpus=p.gpus)
                 self.queues[(p.name, rank)] = _DaemonExecutor(serial=True, name=f"flowrl-{p.name}{rank}")
-        self.workers[(DRIVER, 0)] = Worker(DRIVER, 0, 1, [], nodes, seed)
+        if driver:
+            self.workers[(DRIVER, 0)] = Worker(DRIVER, 0, 1, [], nodes, seed)
 
     def _executor(self, pool: str, rank: int) -> "_DaemonExecutor":
         return self.driver_pool if pool == DRIVER else self.queues[(pool, rank)]
@@ -211,10 +248,9 @@ class _Projection:
 
 
 # ---------------------------------------------------------------- ray
+@backend("ray")
 class RayBackend(Backend):
     """One Ray actor per (pool, rank) in the pool's placement group."""
-
-    name = "ray"
 
     def __init__(self, address: str | None = None, placement_timeout_s: float = 60.0) -> None:
         self.address = address
@@ -238,7 +274,7 @@ class RayBackend(Backend):
             self._started_ray = True
         return ray
 
-    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int) -> None:
+    def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int, driver: bool = True) -> None:
         ray = self._init_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -277,8 +313,9 @@ class RayBackend(Backend):
                     num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy,
                     name=None, max_restarts=0,
                 ).remote(p.name, rank, p.workers, p.roles, nodes, seed, max(1, int(p.cpus)), p.gpus)
-        self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
-            DRIVER, 0, 1, [], nodes, seed, 1)
+        if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
+            self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
+                DRIVER, 0, 1, [], nodes, seed, 1)
         # surface role-construction errors and dead workers now, not mid-step
         keys = list(self.actors)
         pids = ray.get([self.actors[k].ping.remote() for k in keys])
@@ -303,7 +340,14 @@ class RayBackend(Backend):
     def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
         import ray
 
-        return ray.wait(handles, num_returns=1, timeout=timeout, fetch_local=False)
+        # one wait for everything pending, bounded by the poll interval: the tasks of a step
+        # finish close together, and one wait (and one fetch) beats one per finished task
+        return ray.wait(handles, num_returns=len(handles), timeout=timeout, fetch_local=False)
+
+    def get_many(self, handles: list[Any]) -> list[Any]:
+        import ray
+
+        return ray.get(handles)
 
     def worker_label(self, pool: str, rank: int) -> str:
         pid = self.pids.get((pool, rank))
@@ -333,11 +377,10 @@ class RayBackend(Backend):
 
 
 def make_backend(name: str, address: str | None = None) -> Backend:
-    if name == "local":
-        return LocalBackend()
-    if name == "ray":
-        return RayBackend(address=address)
-    raise ValueError(f"unknown backend {name!r}; use 'ray' or 'local'")
+    """A new backend of the registered kind ``name``."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; registered backends: {', '.join(sorted(BACKENDS))}")
+    return BACKENDS[name](address=address)
 
 
 def describe_death(exc: BaseException) -> str | None:
@@ -350,4 +393,4 @@ def describe_death(exc: BaseException) -> str | None:
     return None
 
 
-__all__ = ["Backend", "LocalBackend", "RayBackend", "PoolSpec", "make_backend", "describe_death"]
+__all__ = ["BACKENDS", "Backend", "backend", "LocalBackend", "RayBackend", "PoolSpec", "make_backend", "describe_death"]

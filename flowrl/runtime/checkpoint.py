@@ -61,7 +61,8 @@ class CheckpointStore:
         tmp.mkdir()
         _write(tmp / "workers.pt", lambda f: torch.save(payload["workers"], f))
         _write(tmp / "weights.pt", lambda f: torch.save(payload["weights"], f))
-        body = {**meta, "step": step, "source": payload.get("source")}
+        body = {**meta, "step": step, "source": payload.get("source"),
+                "operator_state": payload.get("operator_state") or {}}
         _write(tmp / "meta.json", lambda f: f.write(json.dumps(body, indent=1, default=str).encode()))
         if final.exists():
             shutil.rmtree(final)
@@ -85,6 +86,7 @@ class CheckpointStore:
                     "workers": torch.load(path / "workers.pt", weights_only=False),
                     "weights": torch.load(path / "weights.pt", weights_only=False),
                     "source": meta.get("source"),
+                    "operator_state": meta.get("operator_state", {}),
                 }
                 return payload, meta, path
             except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one

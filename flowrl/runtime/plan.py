@@ -1,4 +1,13 @@
-"""The plan: a checked graph made concrete — tasks, row spaces, per-pool order.
+"""The plan: a checked graph made concrete — everything a step will run, decided once.
+
+For every task of a step the plan says: what it reads (which upstream tasks,
+which columns, which rows, the repeat factor to the task's row space), the
+rows it returns (its node's declared expansion), how it is dispatched over the
+ranks of its pool (a registered :mod:`~flowrl.data.dispatch` mode: which ranks
+run, which ranks' outputs are collected), its gates (state edges as step
+offsets, :mod:`~flowrl.runtime.staleness`), the weight syncs they need, and
+whether its update's weights must be published to another pool. ``flowrl
+plan`` prints exactly this; the runtime only submits it.
 
 A node becomes one *task* per micro-batch when its scope allows streaming
 (``row``, and ``group`` since micro-batches are cut at prompt boundaries, so
@@ -35,7 +44,9 @@ from typing import Any
 
 import networkx as nx
 
+from flowrl.data.dispatch import get_mode
 from flowrl.graph import SOURCE, Graph
+from flowrl.runtime.staleness import Gate
 
 DRIVER = "driver"
 
@@ -80,6 +91,8 @@ class Read:
 
 @dataclass
 class Task:
+    """One node's work on one micro-batch (or the whole batch) of a step."""
+
     node: str
     mb: int | None  # None: one task for the whole batch
     pool: str  # a pool name, or DRIVER
@@ -87,10 +100,23 @@ class Task:
     deps: set[tuple[str, int | None]] = field(default_factory=set)  # tasks that must finish first
     rank: float = 0.0  # upward rank (critical path to the end of the step)
     cost: float = 1.0
+    dispatch: str = "driver"  # a registered dispatch mode
+    ranks: tuple[int, ...] = (0,)  # the ranks of its pool that run it
+    collected: tuple[int, ...] = (0,)  # the ranks whose outputs (and metrics) form its result
+    world: int = 1  # workers of its pool
+    factor: int = 1  # output rows per input row (its node's declared expansion)
+    gates: tuple[Gate, ...] = ()  # state edges it waits on, as step offsets
+    updates: str | None = None  # the role whose update completes with this task (its last micro-batch)
+    publishes: bool = False  # another pool loads that role's weights: fetched right behind the update
 
     @property
     def key(self) -> tuple[str, int | None]:
         return (self.node, self.mb)
+
+    @property
+    def syncs(self) -> tuple[Gate, ...]:
+        """The gates that load weights onto this task's pool before it runs."""
+        return tuple(g for g in self.gates if g.sync_role is not None)
 
 
 @dataclass
@@ -134,13 +160,22 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
     producers = {f: ps[0] for f, ps in graph.producers().items()}
     placement = place_light_nodes(graph) if graph.config.schedule.colocate_light_nodes else {}
     tasks: dict[tuple[str, int | None], Task] = {}
+    gates = _gates(graph)
+    publishes = _publishers(graph)
     for name in graph.topological_order():
         node = graph.nodes[name]
         pool = placement.get(name) or graph.pool_of(name) or DRIVER
         streams = node.scope in ("row", "group") and k > 1
         mbs: list[int | None] = list(range(k)) if streams else [None]
+        # a light node moved onto a pool runs once, on its rank 0, like on the driver
+        mode = get_mode("driver" if pool == DRIVER or name in placement else node.op.dispatch)
+        world = 1 if pool == DRIVER else graph.config.pools[pool].workers
         for mb in mbs:
-            task = Task(name, mb, pool, cost=node.cost / (k if mb is not None else 1))
+            task = Task(name, mb, pool, cost=node.cost / (k if mb is not None else 1),
+                        dispatch=mode.name, ranks=tuple(mode.ranks(world)), collected=tuple(mode.collected(world)),
+                        world=world, factor=node.op.expansion(node.params), gates=gates.get(name, ()),
+                        updates=node.role if node.updates_role and (mb is None or mb == k - 1) else None,
+                        publishes=node.updates_role and node.role in publishes)
             by_src: dict[str, list[str]] = {}
             for f in node.inputs:
                 if f.name in producers:
@@ -163,6 +198,21 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
     for key in order:
         pool_order.setdefault(tasks[key].pool, []).append(key)
     return Plan(graph, k, bounds, spaces, tasks, pool_order, order, placement)
+
+
+def _gates(graph: Graph) -> dict[str, tuple[Gate, ...]]:
+    """Node → the state edges it waits on; a sync where the update happens on another pool."""
+    out: dict[str, list[Gate]] = {}
+    for e in graph.state_edges:
+        crosses = graph.pool_of(e.src) != graph.pool_of(e.dst)
+        out.setdefault(e.dst, []).append(
+            Gate(e.role, e.src, e.dst, e.staleness, graph.nodes[e.dst].role if crosses else None))
+    return {n: tuple(gs) for n, gs in out.items()}
+
+
+def _publishers(graph: Graph) -> set[str]:
+    """Roles whose weights another pool reads after each update."""
+    return {e.role for e in graph.state_edges if graph.pool_of(e.src) != graph.pool_of(e.dst)}
 
 
 def place_light_nodes(graph: Graph) -> dict[str, str]:

@@ -33,10 +33,6 @@ from flowrl.runtime.scheduler import Runtime, StepResult
 from flowrl.runtime.sinks import open_sinks
 from flowrl.runtime.validation import validation_graph
 
-#: fields written by ``trainer.dump_rollouts``, when the graph has them
-DUMPED = ("uid", "prompts", "responses", "response_mask", "token_level_scores", "advantages", "weight_version")
-
-
 class Trainer:
     """Runs a graph for a number of steps and records what happened."""
 
@@ -62,9 +58,11 @@ class Trainer:
         self.on_step = on_step
         self.val_graph = validation_graph(graph) if cfg.trainer.val_every else None
         if cfg.trainer.val_every and self.val_graph is None:
-            raise ValueError("trainer.val_every needs a node producing token_level_scores (a reward) to validate")
+            raise ValueError("trainer.val_every needs a node whose operator declares a score (a reward): declare "
+                             "it with @operator(..., score='<output>'), or set trainer.val_every: 0")
+        # the fields the graph's operators declare worth dumping (dumped=...)
         producers = graph.producers()
-        fetch = [f for f in DUMPED if f in producers] if cfg.trainer.dump_rollouts else []
+        fetch = [f for f in graph.dumped_fields() if f in producers] if cfg.trainer.dump_rollouts else []
         self.runtime = Runtime(graph, backend=backend, address=address, on_progress=on_progress,
                                validation=self.val_graph, fetch=fetch)
         kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"

@@ -1,9 +1,11 @@
 """Validation: the part of a step that scores responses, run greedily on held-out prompts.
 
-The validation graph is derived from the training graph: the node producing the
-score field (``token_level_scores`` by default) and everything it depends on,
-with one sample per prompt (an expanding node's factor set to 1) and greedy
-decoding where an operator offers it. It runs in the same workers as training,
+The validation graph is derived from the training graph: the first node whose
+operator declares a ``score`` output (a reward) and everything it depends on,
+with one sample per prompt (an expanding node's factor set to 1) and the
+parameters each operator declares for validation (``val_params``: greedy
+decoding for ``rollout.generate``). The core names no field: the operators say
+what scores and how to validate. It runs in the same workers as training,
 queued right behind a step's tasks, so it sees exactly that step's weights.
 
 Example::
@@ -19,15 +21,13 @@ import networkx as nx
 from flowrl.graph import SOURCE, Graph
 from flowrl.graph.config import GraphConfig
 
-SCORE_FIELD = "token_level_scores"
 
-
-def validation_graph(graph: Graph, score_field: str = SCORE_FIELD) -> Graph | None:
-    """The scoring sub-graph of ``graph`` for greedy validation, or None if nothing scores."""
-    producers = graph.producers().get(score_field, [])
-    if len(producers) != 1 or producers[0] == SOURCE:
+def validation_graph(graph: Graph) -> Graph | None:
+    """The scoring sub-graph of ``graph`` for validation, or None if nothing scores."""
+    found = graph.scorer()
+    if found is None:
         return None
-    scorer = producers[0]
+    scorer = found[0]
     keep = (nx.ancestors(graph.dag, scorer) | {scorer}) - {SOURCE}
     nodes = {}
     for name in graph.nodes:
@@ -37,8 +37,8 @@ def validation_graph(graph: Graph, score_field: str = SCORE_FIELD) -> Graph | No
         cfg = node.config.dump()
         if node.op is not None and node.op.expands:
             cfg[node.op.expands] = 1
-        if node.op is not None and "greedy" in node.op.params.model_fields:
-            cfg["greedy"] = True
+        if node.op is not None:
+            cfg.update(node.op.val_params)
         nodes[name] = cfg
     dump = graph.config.dump()
     dump.update(name=f"{graph.name}.val", nodes=nodes, schedule={**dump["schedule"], "micro_batches": 1})

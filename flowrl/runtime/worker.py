@@ -1,11 +1,12 @@
 """A worker: one process of a pool, hosting every role of that pool (colocation).
 
-The worker owns the role objects (models, optimizers), assembles a task's input
-batch from the upstream outputs it was handed (selecting columns, slicing its
-rows, repeating prompt-level rows to sample level, padding to the world size),
-runs the operator, drops the padding again, and reports what happened (start,
-end, weight version, metrics). The same class runs in-process (local backend)
-and as a Ray actor (ray backend).
+The worker owns the role objects (models, optimizers) and runs a task in three
+steps: **assemble** its input from the upstream shards it was handed (as the
+plan's reads say: columns, rows, repeat factor), and take its rank's part (the
+task's dispatch mode); **run** the operator, checking it returned its input
+rows times its declared expansion; **report** what happened (start, end,
+weight version, metrics, operator state). The same class runs in-process
+(local backend) and as a Ray actor (ray backend).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.data import DataProto
+from flowrl.data.dispatch import get_mode
+from flowrl.data.expand import RowCountError, check_rows, expand_rows
+from flowrl.graph import OperatorSpec, Params
 from flowrl.runtime.errors import NodeError, StalenessError
 
 
@@ -50,11 +54,12 @@ class NodeEntry:
     """What a worker needs to run one node: the operator, its parameters, its
     role, and the node's field renames (graph name → the operator's own name)."""
 
-    op: Any  # OperatorSpec
-    params: Any
+    op: OperatorSpec
+    params: Params
     role: str | None
     inputs: dict[str, str] = field(default_factory=dict)  # graph field → operator field
     outputs: dict[str, str] = field(default_factory=dict)  # operator field → graph field
+    name: str = ""  # the node's name, for errors
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,11 @@ class ReadSpec:
 
 @dataclass
 class Call:
-    """One task on one rank."""
+    """One task on one rank: the plan's task, with the step filled in.
+
+    Positional inputs are ``n_gates`` handles to wait on, then (when ``stateful``)
+    the operator's state from the previous step, then the shards the reads take.
+    """
 
     node: str
     step: int
@@ -77,8 +86,11 @@ class Call:
     reads: tuple[ReadSpec, ...]
     n_gates: int = 0
     rank: int = 0
-    world: int = 1  # > 1: this rank takes its share of the rows
+    world: int = 1
+    dispatch: str = "driver"  # the registered mode that gives this rank its part
+    factor: int = 1  # output rows per input row
     min_version: int | None = None
+    stateful: bool = False
 
 
 @dataclass
@@ -96,6 +108,7 @@ class Info:
     rows: int
     version: int | None
     metrics: dict[str, float] = field(default_factory=dict)
+    state: dict[str, Any] | None = None  # a stateful operator's state after this task
 
 
 def assemble(inputs: list[DataProto], reads: tuple[ReadSpec, ...]) -> DataProto:
@@ -110,9 +123,7 @@ def assemble(inputs: list[DataProto], reads: tuple[ReadSpec, ...]) -> DataProto:
         dp = shards[0] if len(shards) == 1 else DataProto.concat(shards)
         if r.rows is not None:
             dp = dp[r.rows[0] : r.rows[1]]
-        if r.repeat > 1:
-            dp = dp.repeat(r.repeat, interleave=True)
-        parts.append(dp)
+        parts.append(expand_rows(dp, r.repeat))
     out = parts[0] if parts else DataProto()
     for p in parts[1:]:
         out = out.union(p)
@@ -141,13 +152,6 @@ def non_finite(out: DataProto, metrics: dict[str, float]) -> list[str]:
     if out.batch is not None:
         bad += [k for k, t in out.batch.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
     return bad
-
-
-def rank_rows(n: int, rank: int, world: int) -> tuple[int, int, int]:
-    """Rows ``[lo, hi)`` of ``n`` that ``rank`` owns when ``n`` is padded up to a
-    multiple of ``world``, and the padded shard size every rank gets."""
-    per = -(-n // world)
-    return min(rank * per, n), min((rank + 1) * per, n), per
 
 
 class Worker:
@@ -191,7 +195,8 @@ class Worker:
             self._set_version(rb.name)
 
     # ------------------------------------------------------------------ tasks
-    def execute(self, call: Call, *inputs: DataProto) -> tuple[DataProto, Info]:
+    def execute(self, call: Call, *inputs: Any) -> tuple[DataProto, Info]:
+        """Assemble → run → report one task (see the module docstring)."""
         import torch
 
         # OpenMP's thread count is per OS thread: a task may run on a thread other than
@@ -203,44 +208,58 @@ class Worker:
         entry = self.nodes[call.node]
         role_obj = self.roles.get(entry.role) if entry.role else None
         version = self.versions[self.owner[entry.role]] if entry.role else None
+        state = None
         try:
             if call.min_version is not None and version is not None and version < call.min_version:
                 raise StalenessError(
                     f"role {entry.role!r} is at weight version {version}, but step {call.step} may use "
                     f"no older than {call.min_version}"
                 )
-            batch = assemble(list(inputs[call.n_gates :]), call.reads)
-            real = len(batch)
-            pad = 0
-            if call.world > 1 and len(batch):
-                # every rank gets the same number of rows; the padding (copies of
-                # row 0) is cut from the outputs, so it never reaches a consumer
-                lo, hi, per = rank_rows(len(batch), call.rank, call.world)
-                shard, real, pad = batch[lo:hi], hi - lo, per - (hi - lo)
-                batch = shard if not pad else DataProto.concat([p for p in [shard] + [batch[0:1]] * pad if len(p)])
-            if entry.inputs:
-                batch.rename(list(entry.inputs), list(entry.inputs.values()))
-            out, metrics = entry.op.run(role_obj, batch, entry.params)
-            if entry.outputs:
-                out.rename(list(entry.outputs), list(entry.outputs.values()))
-            bad = non_finite(out, metrics)
-            if bad:  # stop here, before any consumer (an update) uses it
-                raise NonFiniteOutput(f"non-finite values in {', '.join(bad)}")
-            if pad and len(out):
-                out = out[: real * len(out) // len(batch)]
+            shards = inputs[call.n_gates:]
+            if call.stateful:
+                state = self._state_in(entry, shards[0])
+                shards = shards[1:]
+            batch = get_mode(call.dispatch).split(assemble(list(shards), call.reads), call.rank, call.world)
+            if state is not None:
+                batch.meta_info[entry.op.state.key] = state
+            out, metrics = self._run(entry, role_obj, batch)
+            if state is not None:
+                batch.meta_info.pop(entry.op.state.key, None)
             if entry.op.updates_role:
                 owner = self.owner[entry.role]
                 self.versions[owner] += 1
                 self._set_version(owner)
-        except (StalenessError, NonFiniteOutput) as e:
+        except (StalenessError, NonFiniteOutput, RowCountError) as e:
             raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
         except Exception as e:
             raise NodeError(call.node, call.step, call.mb, self.label, f"{type(e).__name__}: {e}",
                             traceback.format_exc()) from None
-        rows = real
         info = Info(call.node, call.step, call.mb, self.pool, self.rank, os.getpid(), start, time.time(),
-                    rows, version, metrics)
+                    len(batch), version, metrics, state)
         return out, info
+
+    def _run(self, entry: NodeEntry, role_obj: Any, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
+        """The operator on ``batch`` (graph field names in and out), its output checked."""
+        rows_in = len(batch)
+        if entry.inputs:
+            batch.rename(list(entry.inputs), list(entry.inputs.values()))
+        out, metrics = entry.op.run(role_obj, batch, entry.params)
+        if entry.outputs:
+            out.rename(list(entry.outputs), list(entry.outputs.values()))
+        if out.batch is not None or out.non_tensor_batch:  # an output with rows (not only metadata)
+            check_rows(entry.name, rows_in, entry.op.expansion(entry.params), len(out))
+        bad = non_finite(out, metrics)
+        if bad:  # stop here, before any consumer (an update) uses it
+            raise NonFiniteOutput(f"non-finite values in {', '.join(bad)}")
+        return out, metrics
+
+    @staticmethod
+    def _state_in(entry: NodeEntry, previous: Any) -> dict[str, Any]:
+        """The operator state this task starts from: the previous task's report, a
+        restored value, or (first step) the declared initial state."""
+        if isinstance(previous, Info):
+            previous = previous.state
+        return dict(previous) if previous is not None else dict(entry.op.state.init(entry.params))
 
     # ------------------------------------------------------------------ weights
     def get_weights(self, role: str) -> tuple[Any, int]:

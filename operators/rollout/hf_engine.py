@@ -28,6 +28,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
+from flowrl.data.expand import expand_rows
 from operators.data.dataset import position_ids_from_mask
 from operators.rollout.base import RolloutEngine, SamplingParams, rollout_output
 
@@ -123,8 +124,8 @@ class HFRolloutEngine(RolloutEngine):
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device).long()
         with self._lock:
             responses, response_mask, log_probs = self._sample(input_ids, attention_mask, params, generator)
-        prompts = input_ids.repeat_interleave(params.n, dim=0)
-        prompt_mask = attention_mask.repeat_interleave(params.n, dim=0)
+        prompts = expand_rows(input_ids, params.n)
+        prompt_mask = expand_rows(attention_mask, params.n)
         return rollout_output(prompts, prompt_mask, responses, response_mask, log_probs)
 
     def _sample(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,

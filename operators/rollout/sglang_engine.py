@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
+from flowrl.data.expand import expand_rows
 from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses, rollout_output
 
 
@@ -102,8 +103,8 @@ class SGLangRolloutEngine(RolloutEngine):
                  params: SamplingParams | None = None, **overrides: Any) -> dict[str, torch.Tensor]:
         params = self.resolve(params, overrides)
         attention_mask = attention_mask.long()
-        prompts = input_ids.repeat_interleave(params.n, dim=0).cpu()
-        prompt_mask = attention_mask.repeat_interleave(params.n, dim=0).cpu()
+        prompts = expand_rows(input_ids, params.n).cpu()
+        prompt_mask = expand_rows(attention_mask, params.n).cpu()
         requests = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
         outputs = self.engine.generate(input_ids=requests, sampling_params=self._sampling_params(params),
                                        return_logprob=True)

@@ -1,0 +1,98 @@
+"""Record or compare the first steps' metrics of every built-in graph on both backends.
+
+A refactor of the runtime must not change what a run computes. This script runs
+each built-in graph for a few steps on the ``local`` and the ``ray`` backend,
+keeps every metric except wall-clock ones (``timing/``, ``throughput/``, ...),
+and either writes them as JSON (``record``) or compares them with a recording
+(``compare``), printing which graph/backend pairs match exactly.
+
+Example::
+
+    PYTHONPATH=$PWD python benchmarks/metrics_snapshot.py record /tmp/runtime_baseline
+    PYTHONPATH=$PWD python benchmarks/metrics_snapshot.py compare /tmp/runtime_baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import _common  # noqa: F401  (repository on sys.path, one torch thread)
+
+from flowrl.graph import builtin_graphs, load_graph
+from flowrl.runtime.trainer import Trainer
+
+#: metric prefixes that measure wall time, not what was computed
+TIMED = ("timing/", "throughput/", "perf/", "time/")
+#: scheduler metrics derived from measured durations (min_weight_version is not: it is compared)
+TIMED_KEYS = {"scheduler/lower_bound", "scheduler/critical_path", "scheduler/efficiency",
+              "scheduler/pipeline_efficiency"}
+
+
+def timed(key: str) -> bool:
+    key = key.removeprefix("val/")
+    return key.startswith(TIMED) or key.endswith("_s") or key in TIMED_KEYS
+
+
+def untimed(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not timed(k)}
+
+
+def snapshot(name: str, backend: str, steps: int, overrides: dict) -> list[dict[str, float]]:
+    graph = load_graph(name, overrides=overrides)
+    with tempfile.TemporaryDirectory() as out:
+        history = Trainer(graph, backend=backend, steps=steps, out=out, say=lambda _: None).run()
+    return [untimed(row) for row in history]
+
+
+def same(a: list[dict], b: list[dict]) -> tuple[bool, str]:
+    if len(a) != len(b):
+        return False, f"{len(a)} vs {len(b)} steps"
+    for ra, rb in zip(map(untimed, a), map(untimed, b)):
+        if set(ra) != set(rb):
+            return False, f"step {ra.get('step')}: keys differ: {sorted(set(ra) ^ set(rb))}"
+        for k in ra:
+            x, y = ra[k], rb[k]
+            if x != y and not (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y)):
+                return False, f"step {ra['step']}: {k} {x!r} vs {y!r}"
+    return True, "identical"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", choices=["record", "compare"])
+    ap.add_argument("dir")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--graphs", nargs="*", default=None)
+    ap.add_argument("--backends", nargs="*", default=["local", "ray"])
+    ap.add_argument("--set", nargs="*", default=[], help="overrides path.key=value (same for record and compare)")
+    args = ap.parse_args()
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    names = args.graphs or sorted(builtin_graphs())
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if "ray" in args.backends:
+        _common.init_ray(2)
+    ok = True
+    for backend in args.backends:
+        for name in names:
+            rows = snapshot(name, backend, args.steps, overrides)
+            path = out / f"{name}.{backend}.json"
+            if args.mode == "record":
+                path.write_text(json.dumps(rows, indent=1))
+                print(f"{name:14s} {backend:5s} recorded {len(rows)} steps -> {path}", flush=True)
+            else:
+                match, why = same(json.loads(path.read_text()), rows)
+                ok &= match
+                print(f"{name:14s} {backend:5s} {'MATCH' if match else 'DIFFER'}: {why}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

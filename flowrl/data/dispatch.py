@@ -1,0 +1,127 @@
+"""Dispatch modes: how a task's rows are split across the ranks of a pool and how
+the ranks' outputs are collected — registered by name, like role kinds.
+
+An operator names its mode (``dispatch="split"``); the plan records it for every
+task; the runtime asks the mode which ranks run, which outputs form the task's
+result, and each rank's part of the input. verl's ``DP_COMPUTE_PROTO`` and
+``ONE_TO_ALL`` are the same idea; here a misuse raises :class:`DispatchError`
+naming the mode and the counts instead of an assert.
+
+Built in:
+
+* ``split`` — every rank runs its contiguous share of the rows; the result is
+  the ranks' outputs concatenated in rank order.
+* ``all`` — every rank runs the whole batch (each keeps the same state); the
+  result, and the metrics, are rank 0's.
+* ``driver`` — one run, on rank 0, with the whole batch.
+
+A new mode (data-parallel with balanced tokens, say) registers a
+:class:`DispatchMode` with :func:`dispatch_mode`; nothing else changes.
+
+Example::
+
+    mode = DISPATCH_MODES["split"]
+    mode.ranks(2)                       # [0, 1]
+    mode.split(batch, rank=1, world=2)  # the second half of the rows
+    mode.collect([out0, out1])          # their concatenation
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:  # torch-backed; the registry itself stays light
+    from flowrl.data.proto import DataProto
+
+
+class DispatchError(ValueError):
+    """A dispatch mode was misused: unknown name, or outputs that do not match its ranks."""
+
+
+@dataclass(frozen=True)
+class DispatchMode:
+    """One way of running a task on a pool's ranks.
+
+    ``runs_on(world)`` is the ranks that run it; ``split(batch, rank, world)``
+    the part of the batch a rank gets; ``collected(world)`` the ranks whose
+    outputs (and metrics) form the result; ``collect(parts)`` merges those
+    outputs, in rank order.
+    """
+
+    name: str
+    runs_on: Callable[[int], list[int]]
+    split: Callable[["DataProto", int, int], "DataProto"]
+    collected: Callable[[int], list[int]]
+    collect: Callable[[list["DataProto"]], "DataProto"]
+    doc: str = ""
+
+    def ranks(self, world: int) -> list[int]:
+        """The ranks that run a task of this mode on a pool of ``world`` workers."""
+        return self.runs_on(world)
+
+
+#: every registered dispatch mode, by name
+DISPATCH_MODES: dict[str, DispatchMode] = {}
+
+
+def dispatch_mode(mode: DispatchMode) -> DispatchMode:
+    """Register ``mode`` (a second mode of the same name is an error)."""
+    if mode.name in DISPATCH_MODES and DISPATCH_MODES[mode.name] != mode:
+        raise DispatchError(f"dispatch mode {mode.name!r} is registered twice")
+    DISPATCH_MODES[mode.name] = mode
+    return mode
+
+
+def get_mode(name: str) -> DispatchMode:
+    """The registered mode ``name``, or a :class:`DispatchError` listing the known ones."""
+    try:
+        return DISPATCH_MODES[name]
+    except KeyError:
+        raise DispatchError(f"unknown dispatch mode {name!r}; registered: {', '.join(DISPATCH_MODES)}") from None
+
+
+def rank_rows(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of ``n`` that ``rank`` of ``world`` owns: contiguous, the
+    first ``n % world`` ranks one row more."""
+    per, extra = divmod(n, world)
+    lo = rank * per + min(rank, extra)
+    return lo, lo + per + (1 if rank < extra else 0)
+
+
+def _split_rows(batch: "DataProto", rank: int, world: int) -> "DataProto":
+    lo, hi = rank_rows(len(batch), rank, world)
+    return batch[lo:hi]
+
+
+def _concat(parts: list["DataProto"]) -> "DataProto":
+    from flowrl.data.proto import DataProto
+
+    parts = [p for p in parts if len(p)] or parts[:1]
+    return parts[0] if len(parts) == 1 else DataProto.concat(parts)
+
+
+def _first(parts: list["DataProto"]) -> "DataProto":
+    if len(parts) != 1:
+        raise DispatchError(f"a one-result dispatch mode got {len(parts)} outputs to collect; it takes rank 0's")
+    return parts[0]
+
+
+def _whole(batch: "DataProto", rank: int, world: int) -> "DataProto":
+    return batch
+
+
+SPLIT = dispatch_mode(DispatchMode(
+    "split", runs_on=lambda world: list(range(world)), split=_split_rows,
+    collected=lambda world: list(range(world)), collect=_concat,
+    doc="each rank its share of the rows; outputs concatenated in rank order"))
+ALL = dispatch_mode(DispatchMode(
+    "all", runs_on=lambda world: list(range(world)), split=_whole,
+    collected=lambda world: [0], collect=_first,
+    doc="every rank the whole batch; rank 0's output and metrics"))
+DRIVER = dispatch_mode(DispatchMode(
+    "driver", runs_on=lambda world: [0], split=_whole, collected=lambda world: [0], collect=_first,
+    doc="one run on rank 0 with the whole batch"))
+
+
+__all__ = ["DISPATCH_MODES", "DispatchError", "DispatchMode", "dispatch_mode", "get_mode", "rank_rows"]

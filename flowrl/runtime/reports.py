@@ -1,0 +1,116 @@
+"""Step reports: what the driver learns from a finished step's task reports.
+
+Metrics are reduced over the ranks whose outputs the task's dispatch mode
+collects (every rank of a ``split`` task, weighted by its rows; rank 0 of an
+``all`` task, whose ranks repeat one computation); durations give the step's
+makespan, its lower bounds (critical path, busiest pool) and per-node timings.
+
+Example::
+
+    metrics, makespan, bound = step_metrics(plan, infos, prefix="", submitted_at=t0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flowrl.data import DataProto
+from flowrl.runtime.plan import Plan, bounds_of, pool_work
+from flowrl.runtime.worker import Info
+
+TaskKey = tuple[str, int | None]
+
+
+@dataclass
+class StepResult:
+    """One finished step: metrics, its task reports, and any fetched fields."""
+
+    step: int
+    metrics: dict[str, float]
+    infos: list[Info]
+    makespan: float
+    lower_bound: float
+    data: DataProto | None = None
+    checkpoint: dict[str, Any] | None = None  # states taken right after this step (see Runtime.run)
+    val_metrics: dict[str, float] | None = None  # validation right after this step
+
+    @property
+    def efficiency(self) -> float:
+        return self.lower_bound / self.makespan if self.makespan > 0 else 1.0
+
+
+def step_metrics(plan: Plan, infos: list[Info], prefix: str, submitted_at: float) -> tuple[dict[str, float], float, float]:
+    """``(metrics, makespan, lower bound)`` of one step from its task reports."""
+    metrics: dict[str, float] = {}
+    sums: dict[str, tuple[float, float]] = {}
+    durations: dict[TaskKey, float] = {}
+    timing: dict[str, float] = {}
+    for info in infos:
+        key = (info.node[len(prefix):], info.mb)
+        durations[key] = max(durations.get(key, 0.0), info.end - info.start)
+        if info.rank not in plan.tasks[key].collected:
+            continue  # a rank repeating rank 0's computation (dispatch "all")
+        w = float(max(info.rows, 1))
+        for name, v in info.metrics.items():
+            s, n = sums.get(name, (0.0, 0.0))
+            sums[name] = (s + w * v, n + w)
+    for key, d in durations.items():
+        timing[key[0]] = timing.get(key[0], 0.0) + d
+    for name, (s, n) in sums.items():
+        metrics[name] = s / n
+    for node, d in timing.items():
+        metrics[f"timing/{node}"] = d
+    start = min((i.start for i in infos), default=submitted_at)
+    makespan = max((i.end for i in infos), default=start) - start
+    critical, (_, work) = bounds_of(plan, durations)
+    bound = max(critical, work)
+    metrics["timing/step"] = makespan
+    metrics["scheduler/lower_bound"] = bound
+    metrics["scheduler/critical_path"] = critical
+    metrics["scheduler/efficiency"] = bound / makespan if makespan > 0 else 1.0
+    g = plan.graph
+    versions = [i.version for i in infos if i.version is not None and g.nodes[i.node[len(prefix):]].op.role]
+    if g.state_edges and versions:
+        metrics["scheduler/min_weight_version"] = float(min(versions))
+    return metrics, makespan, bound
+
+
+def pipeline_metrics(plan: Plan, infos: list[Info], last_end: float | None) -> tuple[dict[str, float], float | None]:
+    """Steps overlap when staleness >= 1: a step's own makespan then includes waiting
+    behind the previous one; what counts is the interval between finished steps against
+    the busiest pool's work per step. Returns the metrics and this step's end."""
+    if not infos:
+        return {}, last_end
+    end = max(i.end for i in infos)
+    out: dict[str, float] = {}
+    if last_end is not None and end > last_end:
+        durations: dict[TaskKey, float] = {}
+        for i in infos:
+            key = (i.node, i.mb)
+            durations[key] = max(durations.get(key, 0.0), i.end - i.start)
+        interval = end - last_end
+        work = max(pool_work(plan, durations).values(), default=0.0)
+        out["timing/interval"] = interval
+        out["scheduler/pipeline_efficiency"] = min(1.0, work / interval)
+    return out, end
+
+
+def node_states(plan: Plan, ended: dict[TaskKey, float]) -> dict[str, str]:
+    """Each node's state in a step: done, running (inputs ready) or waiting."""
+    states: dict[str, str] = {}
+    for key, task in plan.tasks.items():
+        if key in ended:
+            state = "done"
+        elif all(d in ended for d in task.deps):
+            state = "running"
+        else:
+            state = "waiting"
+        prev = states.get(task.node)
+        # a node is done when all its micro-batches are; running when any is
+        if prev is None or state == "running" or (prev == "done" and state != "done"):
+            states[task.node] = state
+    return states
+
+
+__all__ = ["StepResult", "node_states", "pipeline_metrics", "step_metrics"]

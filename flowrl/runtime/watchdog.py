@@ -1,0 +1,67 @@
+"""The watchdog: a task that has *run* past its timeout fails the step, named.
+
+A task is timed from when its inputs were done and its worker was free for it
+(not from when it was queued), so a slow upstream node or a long queue is never
+blamed on the task behind it: that node's own watchdog fires first.
+
+Example::
+
+    check_timeouts(plan, graph, pending, ended, submitted_at, worker_free, default_s, label)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from flowrl.graph import Graph
+from flowrl.runtime.errors import NodeTimeoutError
+from flowrl.runtime.plan import DRIVER, Plan
+
+TaskKey = tuple[str, int | None]
+
+
+def check_timeouts(
+    step: int,
+    plan: Plan,
+    graph: Graph,
+    pending: dict[object, tuple[TaskKey | None, str, int]],
+    ended: dict[TaskKey, float],
+    submitted_at: float,
+    worker_free: dict[tuple[str, int], float],
+    label: Callable[[str, int], str],
+) -> None:
+    """Raise :class:`NodeTimeoutError` for the first pending task past its ``timeout_s``.
+
+    ``pending`` maps a handle to ``(task key or None for a sync/snapshot, pool, rank)``.
+    """
+    now = time.time()
+    default = graph.config.schedule.timeout_s
+    busy = {(pool, rank) for k, pool, rank in pending.values() if k is None}  # syncs, snapshots
+    for key, pool, rank in pending.values():
+        if key is None:
+            continue
+        limit = graph.nodes[key[0]].timeout_s or default
+        if limit is None:
+            continue
+        deps = plan.tasks[key].deps
+        if any(d not in ended for d in deps):
+            continue  # still waiting on its inputs; that node's own watchdog fires first
+        ready = max([ended[d] for d in deps] + [submitted_at])
+        if pool != DRIVER:
+            queue = plan.pool_order[pool]
+            before = queue[: queue.index(key)]
+            if (pool, rank) in busy or any(k not in ended for k in before):
+                continue  # queued behind other work on its worker
+            ready = max([ready, worker_free.get((pool, rank), 0.0)] + [ended[k] for k in before])
+        if now - ready > limit:
+            waited = [f"{d[0]}" + (f"[{d[1]}]" if d[1] is not None else "") for d in deps]
+            raise NodeTimeoutError(
+                f"node {key[0]!r} (step {step}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
+                + f") has run {now - ready:.1f}s on {label(pool, rank)}, past its "
+                f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were ready and its "
+                f"worker free, so it is the operator itself that is slow or stuck"
+            )
+
+
+__all__ = ["check_timeouts"]
