@@ -110,6 +110,7 @@ def _row_kwargs(extra_info: Any, key: str) -> dict:
              "tool_reward": "float32[B]", "answer": "object[B]", "messages": "object[B]",
              "finish_reason": "object[B]"},
     aux_outputs=("rollout_log_probs", "weight_version", "messages", "finish_reason"),
+    val_params={"greedy": True}, dumped=("prompts", "responses", "response_mask", "weight_version"),
 )
 def multi_turn(actor, batch, p: MultiTurn):
     """n conversations per prompt with tools / an environment; the mask keeps only what the model sampled."""
@@ -167,7 +168,7 @@ def outcome_fn(fn: str, data_source: str):
     "reward.agent", scope="row", node_name="reward", params=AgentReward,
     inputs={"response_mask": "int64[B, R]", "answer": "object[B]", "tool_reward": "float32[B]",
             "data_source": "object[B]", "ground_truth": "object[B]", "extra_info": "object[B]"},
-    outputs={"token_level_scores": "float32[B, R]"},
+    outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),
 )
 def agent_reward(batch, p: AgentReward):
     """score = fn(final answer, ground truth) + w · (tool + environment rewards), on the last sampled token."""
