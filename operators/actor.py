@@ -40,21 +40,24 @@ def update(actor, batch, p: ActorUpdate):
     if p.use_kl_loss and "ref_log_prob" not in batch:
         raise ValueError("use_kl_loss needs ref_log_prob: add a logprob.ref node to the graph")
 
-    def loss_fn(mb):
+    def loss_fn(mb, norm):
         log_prob, entropy = response_log_probs(actor.model, mb["input_ids"], mb["attention_mask"],
                                                mb["position_ids"], mb["responses"].shape[1], p.temperature,
                                                with_entropy=True)
         mask = mb["response_mask"]
+        # normalised by the mini-batch's counts: micro-batch losses sum to the mini-batch's
+        agg = {"norm_tokens": norm.tokens, "norm_seqs": norm.seqs}
         pg = policy_loss(mb["old_log_probs"], log_prob, mb["advantages"], mask, p.clip_ratio,
-                         p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c, p.loss_agg_mode)
-        ent = entropy_loss(entropy, mask, p.loss_agg_mode)
+                         p.clip_ratio_low, p.clip_ratio_high, p.clip_ratio_c, p.loss_agg_mode, **agg)
+        ent = entropy_loss(entropy, mask, p.loss_agg_mode, **agg)
         loss = pg.pg_loss - p.entropy_coeff * ent
-        metrics = {"pg_loss": pg.pg_loss.detach(), "clipfrac": pg.pg_clipfrac, "approx_kl": pg.ppo_kl,
+        w = norm.weight(mask)
+        metrics = {"pg_loss": pg.pg_loss.detach(), "clipfrac": pg.pg_clipfrac * w, "approx_kl": pg.ppo_kl * w,
                    "entropy": ent.detach()}
         if p.clip_ratio_c is not None:
-            metrics["clipfrac_lower"] = pg.pg_clipfrac_lower
+            metrics["clipfrac_lower"] = pg.pg_clipfrac_lower * w
         if p.use_kl_loss:
-            kl = kl_loss(log_prob, mb["ref_log_prob"], mask, p.kl_loss_type, p.loss_agg_mode)
+            kl = kl_loss(log_prob, mb["ref_log_prob"], mask, p.kl_loss_type, p.loss_agg_mode, **agg)
             loss = loss + p.kl_loss_coef * kl
             metrics["kl_loss"] = kl.detach()
         return loss, metrics

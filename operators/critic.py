@@ -15,9 +15,8 @@ from operators.models import response_values
           inputs=SEQUENCE_IN, outputs={"values": "float32[B, R]"})
 def values(critic, batch, p):
     """V(s_t) for every response position t."""
-    with torch.no_grad():
-        v = response_values(critic.model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                            batch["responses"].shape[1])
+    v = critic.forward(batch, lambda mb: response_values(critic.model, mb["input_ids"], mb["attention_mask"],
+                                                         mb["position_ids"], mb["responses"].shape[1]))
     return {"values": v.float()}
 
 
@@ -36,12 +35,12 @@ class CriticUpdate(Params):
 def update(critic, batch, p: CriticUpdate):
     """L_V = ½ · max((V − R)², (clip(V, V_old ± ε) − R)²), aggregated over tokens."""
 
-    def loss_fn(mb):
+    def loss_fn(mb, norm):
         vpreds = response_values(critic.model, mb["input_ids"], mb["attention_mask"], mb["position_ids"],
                                  mb["responses"].shape[1])
         loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
-                                    p.cliprange_value, p.loss_agg_mode)
-        return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac}
+                                    p.cliprange_value, p.loss_agg_mode, norm_tokens=norm.tokens, norm_seqs=norm.seqs)
+        return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac * norm.weight(mb["response_mask"])}
 
     m = critic.fit(batch, loss_fn, mini_batch_size=p.mini_batch_size, epochs=p.epochs,
                    micro_batch_size=p.micro_batch_size)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.data import DataProto
+from flowrl.data.padding import concat_padded
 from flowrl.runtime.errors import NodeError, StalenessError
 
 
@@ -107,7 +108,7 @@ def assemble(inputs: list[DataProto], reads: tuple[ReadSpec, ...]) -> DataProto:
         # take the columns first: concatenating shards copies only what is read
         shards = [dp.select(*_split_keys(dp, r.fields)) for dp in inputs[i : i + r.n]]
         i += r.n
-        dp = shards[0] if len(shards) == 1 else DataProto.concat(shards)
+        dp = shards[0] if len(shards) == 1 else concat_padded(shards)  # response widths may differ
         if r.rows is not None:
             dp = dp[r.rows[0] : r.rows[1]]
         if r.repeat > 1:

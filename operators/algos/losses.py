@@ -29,14 +29,28 @@ AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: AggMode = "token-mean") -> torch.Tensor:
-    """Reduce ``loss_mat[B, R]`` to a scalar over the valid tokens, as ``mode`` says."""
+def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: AggMode = "token-mean", *,
+             norm_tokens: float | torch.Tensor | None = None,
+             norm_seqs: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Reduce ``loss_mat[B, R]`` to a scalar over the valid tokens, as ``mode`` says.
+
+    ``norm_tokens`` / ``norm_seqs``, when given, replace this batch's own token
+    and sequence counts as the divisor: a micro-batch then contributes its share
+    of its mini-batch's loss, and the micro-batches' losses sum to the
+    mini-batch's (gradient accumulation over ragged micro-batches is exact).
+    """
     if mode == "token-mean":
-        return masked_mean(loss_mat, loss_mask)
+        if norm_tokens is None:
+            return masked_mean(loss_mat, loss_mask)
+        return (loss_mat * loss_mask).sum() / max(float(norm_tokens), 1.0)
     if mode == "seq-mean-token-sum":
-        return (loss_mat * loss_mask).sum(-1).mean()
-    if mode == "seq-mean-token-mean":
-        return ((loss_mat * loss_mask).sum(-1) / loss_mask.sum(-1).clamp(min=1)).mean()
+        per_seq = (loss_mat * loss_mask).sum(-1)
+    elif mode == "seq-mean-token-mean":
+        per_seq = (loss_mat * loss_mask).sum(-1) / loss_mask.sum(-1).clamp(min=1)
+    else:
+        per_seq = None
+    if per_seq is not None:
+        return per_seq.mean() if norm_seqs is None else per_seq.sum() / max(float(norm_seqs), 1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}; use one of {', '.join(AGG_MODES)}")
 
 
@@ -60,6 +74,9 @@ def policy_loss(
     clip_ratio_high: float | None = None,
     clip_ratio_c: float | None = None,
     loss_agg_mode: AggMode = "token-mean",
+    *,
+    norm_tokens: float | torch.Tensor | None = None,
+    norm_seqs: float | torch.Tensor | None = None,
 ) -> PolicyLoss:
     """PPO's clipped surrogate (https://arxiv.org/abs/1707.06347), with optional dual clip.
 
@@ -96,7 +113,7 @@ def policy_loss(
         pg_clipfrac_lower = masked_mean(dual_clipped.float(), response_mask)
         pg_losses = torch.where(advantages < 0, torch.minimum(pg_losses, pg_losses3), pg_losses)
 
-    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
+    pg_loss = agg_loss(pg_losses, response_mask, loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
     return PolicyLoss(pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower)
 
 
@@ -107,6 +124,9 @@ def value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     loss_agg_mode: AggMode = "token-mean",
+    *,
+    norm_tokens: float | torch.Tensor | None = None,
+    norm_seqs: float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped value loss: ``½·agg(max((V - G)², (clip(V, V_old ± ε) - G)²))``.
 
@@ -123,18 +143,22 @@ def value_loss(
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     vf_losses1 = (vpreds - returns) ** 2
     vf_losses2 = (vpred_clipped - returns) ** 2
-    vf_loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode)
+    vf_loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
     vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), response_mask)
     return vf_loss, vf_clipfrac
 
 
 def entropy_loss(entropy: torch.Tensor, response_mask: torch.Tensor,
-                 loss_agg_mode: AggMode = "token-mean") -> torch.Tensor:
+                 loss_agg_mode: AggMode = "token-mean", *,
+                 norm_tokens: float | torch.Tensor | None = None,
+                 norm_seqs: float | torch.Tensor | None = None) -> torch.Tensor:
     """The aggregated token entropy; subtract ``coef·entropy_loss`` from the loss as a bonus."""
-    return agg_loss(entropy, response_mask, loss_agg_mode)
+    return agg_loss(entropy, response_mask, loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
 
 
 def kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: torch.Tensor,
-            kind: KLEstimator = "k3", loss_agg_mode: AggMode = "token-mean") -> torch.Tensor:
+            kind: KLEstimator = "k3", loss_agg_mode: AggMode = "token-mean",
+            *, norm_tokens: float | torch.Tensor | None = None,
+            norm_seqs: float | torch.Tensor | None = None) -> torch.Tensor:
     """KL to the reference as a loss term (GRPO's ``use_kl_loss``): ``agg(kl_penalty(...))``."""
-    return agg_loss(kl_penalty(log_prob, ref_log_prob, kind), response_mask, loss_agg_mode)
+    return agg_loss(kl_penalty(log_prob, ref_log_prob, kind), response_mask, loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
