@@ -1,4 +1,4 @@
-"""GRPO on builtin:skewed (answers 1-99 tokens): the twin of grpo_skewed.yaml."""
+"""GRPO on builtin:skewed (answers 1-100 tokens): the twin of grpo_skewed.yaml."""
 
 from flowrl import graph
 from operators import actor, advantage, reward, rollout
