@@ -8,6 +8,8 @@ token count. Each test compares against the full-width path.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -193,3 +195,18 @@ def test_loss_norm_weights_and_response_lengths(ragged_batch):
     assert torch.equal(response_lengths(ragged_batch), mask.sum(-1))
     norm = LossNorm(tokens=float(mask.sum()), seqs=16.0)
     assert norm.weight(mask[:4]) + norm.weight(mask[4:]) == pytest.approx(1.0)
+
+
+def test_micro_batched_rollouts_of_different_widths_feed_one_update(tmp_path):
+    """With ``micro_batches: 2`` each half is generated apart, as wide as its own longest
+    response; the group-scoped advantage and the update read both halves joined."""
+    from flowrl.graph import load_graph
+    from flowrl.runtime.trainer import Trainer
+
+    g = load_graph("grpo_skewed", overrides={
+        "data.batch_size": 4, "nodes.generate.n": 4, "nodes.generate.max_new_tokens": 40,
+        "schedule.micro_batches": 2, "trainer.val_every": 0, "trainer.checkpoint_every": 0,
+        "roles.actor.max_tokens_per_micro_batch": 64})
+    history = Trainer(g, backend="local", steps=2, out=tmp_path, say=lambda m: None).run()
+    assert [r["step"] for r in history] == [1, 2]
+    assert all(0.0 <= r["reward/mean"] <= 1.0 and math.isfinite(r["actor/pg_loss"]) for r in history)
