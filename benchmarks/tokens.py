@@ -57,18 +57,17 @@ def matmul_peak(size: int = 512, seconds: float = 1.0) -> float:
     return 2 * size ** 3 / best
 
 
-def prompts(loader: PromptLoader, tokenizer_spec: str, n: int) -> DataProto:
+def prompts(loader: PromptLoader, tokenizer_spec: str) -> DataProto:
     """The next batch as the runtime hands it to ``rollout.generate`` and the graph after it."""
     raw = loader.next_batch()
     rows = len(raw["input_ids"])
     uid = np.array([f"{i}" for i in range(rows)], dtype=object)
-    batch = DataProto.from_dict(
+    return DataProto.from_dict(
         tensors={"prompts": raw["input_ids"], "prompt_mask": raw["attention_mask"]},
         non_tensors={"uid": uid, "data_source": raw["data_source"], "ground_truth": raw["ground_truth"],
                      "extra_info": raw["extra_info"]},
         meta_info={"tokenizer": tokenizer_spec},
     )
-    return batch
 
 
 def update_positions(batch: DataProto, budget: int | None) -> int:
@@ -89,7 +88,7 @@ def run_setting(max_new: int, trimmed: bool, steps: int, prompts_per_step: int, 
     params = sum(p.numel() for p in role.model.parameters())
     totals = dict(step=0.0, update=0.0, real=0, decode=0, update_pos=0, update_real=0)
     for step in range(steps + 1):  # step 0 warms up allocators and kernels; not counted
-        batch = prompts(loader, "builtin:tiny", n)
+        batch = prompts(loader, "builtin:tiny")
         t0 = time.perf_counter()
         out = rollout.generate(role, batch, n=n, max_new_tokens=max_new)
         out = out.union(DataProto.from_dict(
@@ -117,6 +116,7 @@ def run_setting(max_new: int, trimmed: bool, steps: int, prompts_per_step: int, 
         "decode_pad": 1 - totals["real"] / totals["decode"],
         "update_pad": 1 - totals["update_real"] / totals["update_pos"],
         "update_flops": 6 * params * totals["update_real"] / totals["update"],
+        "update_share": totals["update"] / totals["step"],
         "mean_len": totals["real"] / (steps * prompts_per_step * n),
     }
 
@@ -144,7 +144,8 @@ def main() -> None:
             rows.append([
                 str(max_new), "trimmed" if trimmed else "padded", f"{r['mean_len']:.1f}", f"{r['s_per_step']:.2f}",
                 f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
-                f"{r['decode_pad']:.0%}", f"{r['update_pad']:.0%}", f"{r['update_flops'] / peak:.0%}",
+                f"{r['decode_pad']:.0%}", f"{r['update_pad']:.0%}", f"{r['update_share']:.0%}",
+                f"{r['update_flops'] / peak:.0%}",
             ])
     first = args.lengths[0]
     notes = [f"matmul peak (512x512 float32, one thread, best of the run): {peak / 1e9:.1f} GFLOP/s; "
@@ -158,7 +159,7 @@ def main() -> None:
         notes.append(f"{label}: real tokens/s at {first} over the rate at ({ratios})  (goal at 128: <= 1.5x)")
     print_table("GRPO on builtin:skewed: padded vs trimmed",
                 ["max_new_tokens", "path", "mean len", "s/step", "real tok/s", "vs padded", "decode pad",
-                 "update pad", "update MFU"], rows, notes)
+                 "update pad", "update time", "update MFU"], rows, notes)
 
 
 if __name__ == "__main__":

@@ -143,7 +143,8 @@ def value_loss(
     vpred_clipped = torch.clamp(vpreds, values - cliprange_value, values + cliprange_value)
     vf_losses1 = (vpreds - returns) ** 2
     vf_losses2 = (vpred_clipped - returns) ** 2
-    vf_loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
+    vf_loss = 0.5 * agg_loss(torch.maximum(vf_losses1, vf_losses2), response_mask, loss_agg_mode,
+                             norm_tokens=norm_tokens, norm_seqs=norm_seqs)
     vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), response_mask)
     return vf_loss, vf_clipfrac
 
@@ -161,4 +162,5 @@ def kl_loss(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, response_mask: t
             *, norm_tokens: float | torch.Tensor | None = None,
             norm_seqs: float | torch.Tensor | None = None) -> torch.Tensor:
     """KL to the reference as a loss term (GRPO's ``use_kl_loss``): ``agg(kl_penalty(...))``."""
-    return agg_loss(kl_penalty(log_prob, ref_log_prob, kind), response_mask, loss_agg_mode, norm_tokens=norm_tokens, norm_seqs=norm_seqs)
+    return agg_loss(kl_penalty(log_prob, ref_log_prob, kind), response_mask, loss_agg_mode,
+                    norm_tokens=norm_tokens, norm_seqs=norm_seqs)

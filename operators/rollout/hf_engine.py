@@ -8,9 +8,10 @@ back as wide as the longest one. With ``drop_finished=False`` finished rows
 keep stepping with ``pad`` (masked out) and responses are ``max_new_tokens``
 wide — the old behaviour, kept to measure against. Sampling draws its noise
 for the whole batch either way, so both give the same tokens from the same
-seed. The log-probs come out of the loop, with no second pass. On ``builtin:tiny`` (32 prompts × 8 samples, 8 tokens, one core)
-it measured ~1.4× faster than ``model.generate(output_scores=True)``; the
-model's own matmuls dominate both (``benchmarks/plain_grpo.py --compare-generate``).
+seed. The log-probs come out of the loop, with no second pass. On
+``builtin:tiny`` (32 prompts × 8 samples, 8 tokens, one core) it measured
+~1.4× faster than ``model.generate(output_scores=True)``; the model's own
+matmuls dominate both (``benchmarks/plain_grpo.py --compare-generate``).
 
 Example::
 
