@@ -159,8 +159,9 @@ class TrainableRole:
         """``fn(micro_batch) -> [b, r, ...]`` over the whole batch, in row order, ``R`` wide.
 
         Under the role's ``max_tokens_per_micro_batch`` the rows go in length
-        buckets, each cut to its own longest response (positions past a row's
-        response come back 0); without it, one call on the whole batch. Gradients
+        buckets, each cut to its own longest response (positions past it come
+        back 0; past a row's own response they are padding either way); without
+        it, one call on the whole batch. Gradients
         are not tracked: this is for log-probs and values of a batch, not updates.
         """
         budget = self.cfg.max_tokens_per_micro_batch
