@@ -80,6 +80,13 @@ def agg_kwargs(norm) -> dict[str, float]:
     return {} if norm is None else {"norm_tokens": norm.tokens, "norm_seqs": norm.seqs}
 
 
+def contributions(metrics: dict, norm, mask) -> dict:
+    """Per-micro-batch means as their share of the mini-batch's value (``fit`` sums them);
+    ``*_max`` metrics stay as they are (``fit`` keeps the largest)."""
+    w = 1.0 if norm is None else norm.weight(mask)
+    return {k: v if k.endswith("_max") else v * w for k, v in metrics.items()}
+
+
 @operator(
     "actor.update", role="actor", scope="batch", dispatch="all", updates_role=True, node_name="update_actor",
     cost=4.0, params=ActorUpdate, optional_inputs=("ref_log_prob", "rollout_log_probs"),
@@ -129,10 +136,11 @@ def update(actor, batch, p: ActorUpdate):
                      weights, **agg)
         ent = entropy_loss(entropy, mask, p.loss_agg_mode, **agg)
         loss = pg.pg_loss - p.entropy_coeff * ent
-        metrics.update({"pg_loss": pg.pg_loss.detach(), "clipfrac": pg.pg_clipfrac, "approx_kl": pg.ppo_kl,
-                        "entropy": ent.detach()})
+        metrics.update({"clipfrac": pg.pg_clipfrac, "approx_kl": pg.ppo_kl})
         if p.dual_clip or p.policy_loss != "vanilla":
             metrics["clipfrac_lower"] = pg.pg_clipfrac_lower
+        metrics = contributions(metrics, norm, mb["response_mask"])
+        metrics.update({"pg_loss": pg.pg_loss.detach(), "entropy": ent.detach()})  # already mini-batch shares
         if p.use_kl_loss:
             kl = kl_loss(log_prob, mb["ref_log_prob"], mask, p.kl_loss_type, p.loss_agg_mode, **agg)
             loss = loss + p.kl_loss_coef * kl

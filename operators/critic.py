@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import torch
 from pydantic import Field
 
 from flowrl.graph import Params, operator
-from operators.actor import AGG, agg_kwargs
+from operators.actor import AGG, agg_kwargs, contributions
 from operators.algos import value_loss
 from operators.logprob import SEQUENCE_IN
 from operators.models import response_values
@@ -16,9 +15,8 @@ from operators.models import response_values
           inputs=SEQUENCE_IN, outputs={"values": "float32[B, R]"})
 def values(critic, batch, p):
     """V(s_t) for every response position t."""
-    with torch.no_grad():
-        v = response_values(critic.model, batch["input_ids"], batch["attention_mask"], batch["position_ids"],
-                            batch["responses"].shape[1])
+    v = critic.forward(batch, lambda mb: response_values(critic.model, mb["input_ids"], mb["attention_mask"],
+                                                         mb["position_ids"], mb["responses"].shape[1]))
     return {"values": v.float()}
 
 
@@ -42,7 +40,7 @@ def update(critic, batch, p: CriticUpdate):
                                  mb["responses"].shape[1])
         loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
                                     p.cliprange_value, p.loss_agg_mode, **agg_kwargs(norm))
-        return loss, {"vf_loss": loss.detach(), "vf_clipfrac": clipfrac}
+        return loss, {"vf_loss": loss.detach(), **contributions({"vf_clipfrac": clipfrac}, norm, mb["response_mask"])}
 
     m = critic.fit(batch, loss_fn, mini_batch_size=p.mini_batch_size, epochs=p.epochs,
                    micro_batch_size=p.micro_batch_size)

@@ -16,13 +16,14 @@ Example YAML::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Callable, Literal, NamedTuple
 
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from flowrl.graph import role_kind
 from operators.models import OptimConfig, build_optimizer, clip_grad_norm, load_model
+from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
 from operators.rewards import RewardModelScorer
 
 
@@ -32,6 +33,8 @@ class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
     engine: Literal["hf", "sglang"] = "hf"
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to sglang.Engine")
+    drop_finished: bool = Field(True, description="hf: finished rows leave the decode batch and responses are "
+                                "as wide as the longest; false: every row steps to the end, max_new_tokens wide")
 
 
 def check_model_path(spec: str) -> str:
@@ -50,6 +53,25 @@ class ModelRoleConfig(BaseModel):
     model: ModelPath = Field("builtin:tiny", description="'builtin:tiny' or a local Hugging Face directory")
     dtype: Literal["float32", "bfloat16", "bf16", "fp32"] = "float32"
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
+    max_tokens_per_micro_batch: int | None = Field(
+        None, ge=1, description="token budget of one forward/backward pass: rows bucketed by length, each "
+        "micro-batch cut to its longest response (verl's use_dynamic_bsz); none: micro_batch_size rows, full width")
+
+
+class LossNorm(NamedTuple):
+    """What a micro-batch's loss is normalised by: its mini-batch's counts, not its own.
+
+    ``tokens``: real response tokens (``response_mask`` ones) of the mini-batch;
+    ``seqs``: its rows with at least one. The losses of the micro-batches then
+    sum to the mini-batch's loss, however ragged the micro-batches are.
+    """
+
+    tokens: float
+    seqs: float
+
+    def weight(self, mask: torch.Tensor) -> float:
+        """A micro-batch's share of the mini-batch's tokens: the weight of a mean over its tokens."""
+        return float(mask.sum()) / max(self.tokens, 1.0)
 
 
 class ActorConfig(ModelRoleConfig):
@@ -85,35 +107,73 @@ class TrainableRole:
         self.updates += 1
         return {"grad_norm": grad_norm, "lr": lr}
 
-    def fit(self, batch: Any, loss_fn, *, mini_batch_size: int | None, epochs: int,
-            micro_batch_size: int | None) -> dict[str, float]:
+    def fit(self, batch: Any, loss_fn: Callable[[Any, LossNorm], tuple[torch.Tensor, dict]], *,
+            mini_batch_size: int | None, epochs: int, micro_batch_size: int | None) -> dict[str, float]:
         """PPO-style training on ``batch``: ``epochs`` passes over shuffled mini-batches,
         one optimizer step per mini-batch, gradients accumulated over micro-batches.
 
-        ``loss_fn(micro_batch) -> (loss, metrics)``; the loss is scaled by the
-        micro-batch's share of its mini-batch before backward. Returns the
-        metrics averaged over every micro-batch, plus ``grad_norm`` and ``lr``.
+        ``loss_fn(micro_batch, norm) -> (loss, metrics)`` normalises its loss by
+        ``norm`` (:class:`LossNorm`, the mini-batch's token and sequence counts),
+        so the micro-batch losses sum to the mini-batch's and are backpropagated
+        as they are: the step does not depend on how the mini-batch is cut. Its
+        metrics are contributions to the mini-batch's value in the same sense
+        (a mean over the micro-batch's tokens times ``norm.weight(mask)``) and
+        are summed per mini-batch (``*_max`` metrics: the largest is kept). With the role's ``max_tokens_per_micro_batch``
+        the micro-batches are length buckets under that budget, each cut to its
+        own longest response; without it, ``micro_batch_size`` consecutive rows
+        at full width. Returns the metrics averaged over mini-batches, plus
+        ``grad_norm`` and ``lr``.
         """
         n = len(batch)
         mini = min(mini_batch_size or n, n)
         micro = min(micro_batch_size or mini, mini)
+        budget = self.cfg.max_tokens_per_micro_batch
+        prompt_length = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+        lengths = response_lengths(batch)
+        mask = batch["response_mask"]
         gen = torch.Generator().manual_seed(self.ctx.seed * 7919 + self.updates)
         totals: dict[str, list[float]] = {}
 
         def accumulate(mb_rows: torch.Tensor) -> None:
-            for start in range(0, len(mb_rows), micro):
-                rows = mb_rows[start:start + micro]
-                loss, metrics = loss_fn(batch[rows])
-                (loss * len(rows) / len(mb_rows)).backward()
+            rows_mask = mask[mb_rows]
+            norm = LossNorm(tokens=float(rows_mask.sum()), seqs=float((rows_mask.sum(-1) > 0).sum()))
+            sums: dict[str, float] = {}
+            for part in token_budget_split(lengths[mb_rows], prompt_length, budget, micro):
+                rows = mb_rows[part]
+                mb = batch[rows] if budget is None else trim(batch[rows], max(1, int(lengths[rows].max())))
+                loss, metrics = loss_fn(mb, norm)
+                loss.backward()
                 for k, v in metrics.items():
-                    totals.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else float(v))
+                    v = float(v.detach()) if torch.is_tensor(v) else float(v)
+                    sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
+            for k, v in sums.items():
+                totals.setdefault(k, []).append(v)
 
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if mini < n else torch.arange(n)
             for start in range(0, n, mini):
                 for k, v in self.step(lambda: accumulate(order[start:start + mini])).items():
                     totals.setdefault(k, []).append(v)
-        return {k: sum(v) / len(v) for k, v in totals.items()}
+        return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in totals.items()}
+
+    def forward(self, batch: Any, fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
+        """``fn(micro_batch) -> [b, r, ...]`` over the whole batch, in row order, ``R`` wide.
+
+        Under the role's ``max_tokens_per_micro_batch`` the rows go in length
+        buckets, each cut to its own longest response (positions past it come
+        back 0; past a row's own response they are padding either way); without
+        it, one call on the whole batch. Gradients
+        are not tracked: this is for log-probs and values of a batch, not updates.
+        """
+        budget = self.cfg.max_tokens_per_micro_batch
+        with torch.no_grad():
+            if budget is None:
+                return fn(batch)
+            width = batch["responses"].shape[1]
+            lengths = response_lengths(batch)
+            splits = token_budget_split(lengths, batch["input_ids"].shape[1] - width, budget)
+            parts = [fn(trim(batch[rows], max(1, int(lengths[rows].max())))) for rows in splits]
+        return restore(parts, splits, width)
 
     def get_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -163,7 +223,8 @@ class Actor(TrainableRole):
             else:
                 from operators.rollout import HFRolloutEngine
 
-                self._engine = HFRolloutEngine(self.model, self.tokenizer, seed=seed)
+                self._engine = HFRolloutEngine(self.model, self.tokenizer, seed=seed,
+                                               drop_finished=self.cfg.rollout.drop_finished)
         return self._engine
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -14,7 +14,7 @@ from flowrl.data import DataProto
 from flowrl.graph import builtin_graphs, load_graph
 from flowrl.runtime.trainer import Trainer
 
-GRAPHS = ["grpo", "grpo_async", "ppo", "rloo", "reinforce_pp", "remax"]
+GRAPHS = ["grpo", "grpo_async", "ppo", "rloo", "reinforce_pp", "remax", "grpo_skewed"]
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
 

@@ -95,10 +95,10 @@ def _split_rows(batch: "DataProto", rank: int, world: int) -> "DataProto":
 
 
 def _concat(parts: list["DataProto"]) -> "DataProto":
-    from flowrl.data.proto import DataProto
+    from flowrl.data.padding import concat_padded  # torch-backed: imported when data moves, not to register
 
     parts = [p for p in parts if len(p)] or parts[:1]
-    return parts[0] if len(parts) == 1 else DataProto.concat(parts)
+    return parts[0] if len(parts) == 1 else concat_padded(parts)  # ranks' response widths may differ
 
 
 def _first(parts: list["DataProto"]) -> "DataProto":

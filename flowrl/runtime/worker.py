@@ -20,6 +20,7 @@ from typing import Any
 from flowrl.data import DataProto
 from flowrl.data.dispatch import get_mode
 from flowrl.data.expand import RowCountError, check_rows, expand_rows
+from flowrl.data.padding import concat_padded
 from flowrl.graph import OperatorSpec, Params
 from flowrl.runtime.errors import NodeError, StalenessError
 
@@ -120,7 +121,7 @@ def assemble(inputs: list[DataProto], reads: tuple[ReadSpec, ...]) -> DataProto:
         # take the columns first: concatenating shards copies only what is read
         shards = [dp.select(*_split_keys(dp, r.fields)) for dp in inputs[i : i + r.n]]
         i += r.n
-        dp = shards[0] if len(shards) == 1 else DataProto.concat(shards)
+        dp = shards[0] if len(shards) == 1 else concat_padded(shards)  # response widths may differ
         if r.rows is not None:
             dp = dp[r.rows[0] : r.rows[1]]
         parts.append(expand_rows(dp, r.repeat))

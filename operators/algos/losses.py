@@ -390,6 +390,9 @@ def policy_loss(
     clip_ratio_high: float | None = None,
     clip_ratio_c: float | None = None,
     loss_agg_mode: AggMode = "token-mean",
+    *,
+    norm_tokens: float | torch.Tensor | None = None,
+    norm_seqs: float | torch.Tensor | None = None,
 ) -> PolicyLoss:
     """PPO's clipped surrogate (:func:`vanilla_loss`) from loose arguments; dual clip off by default.
 
@@ -401,7 +404,8 @@ def policy_loss(
         0.5
     """
     params = PolicyLossParams(clip_ratio, clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    return vanilla_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, params)
+    return vanilla_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, params,
+                        norm_tokens=norm_tokens, norm_seqs=norm_seqs)
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

@@ -19,6 +19,7 @@ from operators.data.dataset import (
     read_rows,
 )
 from operators.data.tasks import DEFAULT_TASK, TASKS, Task, TaskRows, get_task
+from operators.data import skewed  # noqa: F401,E402  (registers builtin:skewed)
 
 __all__ = [
     "REQUIRED_COLUMNS", "DatasetError", "PromptDataset", "PromptLoader", "left_pad", "load_dataset",

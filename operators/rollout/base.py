@@ -13,7 +13,10 @@ of tensors (``n`` samples per prompt, each prompt's samples adjacent):
 ``rollout_log_probs``  ``float32[N, R]``    log-prob of each sampled token, 0 where masked
 =====================  ==================  ==========================================
 
-with ``N = B·n`` and ``R = max_new_tokens``. ``rollout_log_probs`` is
+with ``N = B·n`` and ``R`` at most ``max_new_tokens``: an engine may return
+responses only as wide as the longest one it made (the HF engine does), so
+two calls can return different widths; :func:`flowrl.data.padding.concat_padded`
+joins them. ``rollout_log_probs`` is
 ``log softmax(logits / T)`` at the sampled token (``T = 1`` when greedy), taken
 before top-k/top-p truncation: the quantity the actor recomputes as its old
 log-prob, so the two agree up to numerics.

@@ -1,0 +1,176 @@
+"""Pay for tokens, not padding: GRPO steps on builtin:skewed, padded path vs padding-free path.
+
+Each setting runs a few GRPO steps (generate → rule reward → GRPO advantage →
+actor update, on-policy, as ``graphs/grpo_skewed.yaml``) through the operators
+themselves, in this process, on one core, twice from the same seed:
+
+* **padded** — the old path: every row steps until the longest stops
+  (``rollout.drop_finished: false``), responses ``max_new_tokens`` wide, the
+  update one full-width pass (no token budget);
+* **trimmed** — finished rows leave the decode batch and the KV cache,
+  responses as wide as the longest, the update in length-bucketed micro-batches
+  under ``max_tokens_per_micro_batch``, each cut to its own longest response.
+
+Reported per setting: seconds per step, real (response) tokens per second,
+the padded share of decode positions (rows stepped per token vs tokens made)
+and of update positions (``rows × width`` summed over micro-batches vs real
+prompt + response tokens), and the update's useful MFU: ``6 · params · real
+tokens`` FLOPs per second of update, against this core's float32 matmul
+peak (512³) and against ``builtin:tiny``'s own MLP matmul (2048×128×512), both
+measured just before each setting (the machine may be shared). The model
+starts untrained, so response lengths are what an untrained policy writes:
+long-tailed, cut at ``max_new_tokens``.
+
+    PYTHONPATH=$PWD python benchmarks/tokens.py            # 8, 64, 128, 512 new tokens
+    PYTHONPATH=$PWD python benchmarks/tokens.py --steps 3 --lengths 8 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import _common  # noqa: F401  (repository on sys.path, one torch thread)
+import numpy as np
+import torch
+
+from _common import print_table
+from flowrl.data import DataProto
+from flowrl.runtime.worker import RoleContext
+from operators import actor as actor_ops
+from operators import advantage, reward, rollout
+from operators.data import PromptLoader, load_dataset
+from operators.models.microbatch import response_lengths, token_budget_split
+from operators.roles import Actor, ActorConfig
+
+BUDGET = 2048
+
+
+def matmul_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
+    """float32 FLOP/s of ``[m, k] @ [k, n]`` on this thread: the best of repeated timings."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    best, end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * m * k * n / best
+
+
+def peaks() -> tuple[float, float]:
+    """(the core's matmul peak: 512×512×512, builtin:tiny's own MLP matmul: 2048×128×512) in FLOP/s."""
+    return matmul_rate(512, 512, 512), matmul_rate(2048, 128, 512)
+
+
+def prompts(loader: PromptLoader, tokenizer_spec: str) -> DataProto:
+    """The next batch as the runtime hands it to ``rollout.generate`` and the graph after it."""
+    raw = loader.next_batch()
+    rows = len(raw["input_ids"])
+    uid = np.array([f"{i}" for i in range(rows)], dtype=object)
+    return DataProto.from_dict(
+        tensors={"prompts": raw["input_ids"], "prompt_mask": raw["attention_mask"]},
+        non_tensors={"uid": uid, "data_source": raw["data_source"], "ground_truth": raw["ground_truth"],
+                     "extra_info": raw["extra_info"]},
+        meta_info={"tokenizer": tokenizer_spec},
+    )
+
+
+def update_positions(batch: DataProto, budget: int | None) -> int:
+    """Positions the update's forward passes cover, micro-batch by micro-batch, as ``fit`` cuts them."""
+    width, total = batch["responses"].shape[1], batch["input_ids"].shape[1]
+    if budget is None:
+        return len(batch) * total
+    lengths = response_lengths(batch)
+    return sum(len(rows) * (total - width + max(1, int(lengths[rows].max())))
+               for rows in token_budget_split(lengths, total - width, budget))
+
+
+def run_setting(max_new: int, trimmed: bool, steps: int, prompts_per_step: int, n: int) -> dict[str, float]:
+    cfg = ActorConfig(optim={"lr": 5e-4, "grad_clip": 1.0}, rollout={"drop_finished": trimmed},
+                      max_tokens_per_micro_batch=BUDGET if trimmed else None)
+    role = Actor(cfg, RoleContext("actor", 0, 1, seed=0))
+    loader = PromptLoader(load_dataset("builtin:skewed", role.tokenizer), batch_size=prompts_per_step, seed=0)
+    params = sum(p.numel() for p in role.model.parameters())
+    totals = dict(step=0.0, update=0.0, real=0, decode=0, update_pos=0, update_real=0)
+    # the machine may be shared: measure the peaks next to the work they are compared with
+    core_peak, model_peak = peaks()
+    for step in range(steps + 1):  # step 0 warms up allocators and kernels; not counted
+        batch = prompts(loader, "builtin:tiny")
+        t0 = time.perf_counter()
+        out = rollout.generate(role, batch, n=n, max_new_tokens=max_new)
+        out = out.union(DataProto.from_dict(
+            non_tensors={k: np.repeat(batch.non_tensor_batch[k], n) for k in batch.non_tensor_batch},
+            meta_info=batch.meta_info))
+        out = out.union(reward.rule(out).rename("token_level_scores", "token_level_rewards"))
+        out = out.union(advantage.grpo(out))
+        out.rename("rollout_log_probs", "old_log_probs")
+        t1 = time.perf_counter()
+        actor_ops.update(role, out, clip_ratio=0.2)
+        t2 = time.perf_counter()
+        if step == 0:
+            continue
+        lengths = out["response_mask"].sum(-1)
+        totals["step"] += t2 - t0
+        totals["update"] += t2 - t1
+        totals["real"] += int(lengths.sum())
+        # decode: the padded path steps every row until the longest stops; the trimmed one only live rows
+        totals["decode"] += int(lengths.sum()) if trimmed else len(lengths) * int(lengths.max())
+        totals["update_pos"] += update_positions(out, cfg.max_tokens_per_micro_batch)
+        totals["update_real"] += int(out["attention_mask"].sum())
+    return {
+        "s_per_step": totals["step"] / steps,
+        "tokens_per_s": totals["real"] / totals["step"],
+        "decode_pad": 1 - totals["real"] / totals["decode"],
+        "update_pad": 1 - totals["update_real"] / totals["update_pos"],
+        "update_flops": 6 * params * totals["update_real"] / totals["update"],
+        "update_share": totals["update"] / totals["step"],
+        "core_peak": core_peak, "model_peak": model_peak,
+        "mean_len": totals["real"] / (steps * prompts_per_step * n),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[8, 64, 128, 512], help="max_new_tokens settings")
+    ap.add_argument("--steps", type=int, default=2, help="timed steps per setting (after one warm-up step)")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    args = ap.parse_args()
+
+    results: dict[tuple[int, bool], dict[str, float]] = {}
+    for max_new in args.lengths:
+        for trimmed in (False, True):
+            results[(max_new, trimmed)] = run_setting(max_new, trimmed, args.steps, args.prompts, args.n)
+
+    rows = []
+    for max_new in args.lengths:
+        for trimmed in (False, True):
+            r, base = results[(max_new, trimmed)], results[(max_new, False)]
+            rows.append([
+                str(max_new), "trimmed" if trimmed else "padded", f"{r['mean_len']:.1f}", f"{r['s_per_step']:.2f}",
+                f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x",
+                f"{r['decode_pad']:.0%}", f"{r['update_pad']:.0%}", f"{r['update_share']:.0%}",
+                f"{r['update_flops'] / r['core_peak']:.0%}", f"{r['update_flops'] / r['model_peak']:.0%}",
+            ])
+    first = args.lengths[0]
+    core = [r["core_peak"] / 1e9 for r in results.values()]
+    model = [r["model_peak"] / 1e9 for r in results.values()]
+    notes = [f"update MFU: 6·params·real tokens per second of update over this core's float32 matmul peak "
+             f"(512x512x512, one thread, measured before each setting: {min(core):.0f}-{max(core):.0f} GFLOP/s); "
+             f"vs model mm: over builtin:tiny's own MLP matmul (2048x128x512: {min(model):.0f}-{max(model):.0f} GFLOP/s)",
+             f"{args.prompts} prompts x {args.n} samples per step, {args.steps} timed steps per setting; "
+             f"token budget {BUDGET} positions per micro-batch (trimmed)"]
+    for trimmed in (False, True):
+        label = "trimmed" if trimmed else "padded"
+        at_first = results[(first, trimmed)]["tokens_per_s"]
+        ratios = ", ".join(f"{m}: {at_first / results[(m, trimmed)]['tokens_per_s']:.2f}x"
+                           for m in args.lengths[1:])
+        notes.append(f"{label}: real tokens/s at {first} over the rate at ({ratios})  (goal at 128: <= 1.5x)")
+    print_table("GRPO on builtin:skewed: padded vs trimmed",
+                ["max_new_tokens", "path", "mean len", "s/step", "real tok/s", "vs padded", "decode pad",
+                 "update pad", "update time", "update MFU", "vs model mm"], rows, notes)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,20 @@
+"""GRPO on builtin:skewed (answers 1-100 tokens): the twin of grpo_skewed.yaml."""
+
+from flowrl import graph
+from operators import actor, advantage, reward, rollout
+
+
+@graph(
+    name="grpo_skewed",
+    roles={"actor": {"model": "builtin:tiny", "optim": {"lr": 5.0e-4, "grad_clip": 1.0},
+                     "max_tokens_per_micro_batch": 2048}},
+    pools={"train": {"workers": 1, "cpus": 1, "roles": ["actor"]}},
+    data={"source": "builtin:skewed", "batch_size": 16},
+    schedule={"micro_batches": 1, "staleness": 0},
+    trainer={"steps": 300, "seed": 0, "out": "runs/grpo_skewed", "val_every": 50, "checkpoint_every": 100},
+)
+def grpo_skewed(batch):
+    batch = rollout.generate(batch, n=8, max_new_tokens=128, temperature=1.0)
+    batch = reward.rule(batch)
+    batch = advantage.grpo(batch, inputs={"token_level_rewards": "token_level_scores"})
+    return actor.update(batch, clip_ratio=0.2, inputs={"old_log_probs": "rollout_log_probs"})
