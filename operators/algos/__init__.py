@@ -9,41 +9,39 @@ Example (one GRPO update, cleanrl style)::
     >>> out.pg_loss.backward()                                                             # doctest: +SKIP
 """
 
-from operators.algos.advantages import (
-    GroupStats,
-    gae_advantages,
-    group_ids,
-    group_stats,
-    grpo_advantages,
-    reinforce_pp_advantages,
-    remax_advantages,
-    rloo_advantages,
-)
-from operators.algos.functional import (
-    entropy_from_logits,
-    logprobs_from_logits,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-)
-from operators.algos.kl import (
-    AdaptiveKLController,
-    FixedKLController,
-    KLController,
-    apply_kl_penalty,
-    build_kl_controller,
-    kl_penalty,
-)
-from operators.algos.losses import (
-    AGG_MODES,
-    PolicyLoss,
-    agg_loss,
-    entropy_loss,
-    kl_loss,
-    policy_loss,
-    value_loss,
-)
+from flowrl.data.lazy import lazy_exports
+
+#: where each public name lives: imported on first use (the CLI loads operators without torch's weight)
+_HOME = {
+    "GroupStats": "operators.algos.advantages",
+    "gae_advantages": "operators.algos.advantages",
+    "group_ids": "operators.algos.advantages",
+    "group_stats": "operators.algos.advantages",
+    "grpo_advantages": "operators.algos.advantages",
+    "reinforce_pp_advantages": "operators.algos.advantages",
+    "remax_advantages": "operators.algos.advantages",
+    "rloo_advantages": "operators.algos.advantages",
+    "entropy_from_logits": "operators.algos.functional",
+    "logprobs_from_logits": "operators.algos.functional",
+    "masked_mean": "operators.algos.functional",
+    "masked_sum": "operators.algos.functional",
+    "masked_var": "operators.algos.functional",
+    "masked_whiten": "operators.algos.functional",
+    "AdaptiveKLController": "operators.algos.kl",
+    "FixedKLController": "operators.algos.kl",
+    "KLController": "operators.algos.kl",
+    "apply_kl_penalty": "operators.algos.kl",
+    "build_kl_controller": "operators.algos.kl",
+    "kl_penalty": "operators.algos.kl",
+    "AGG_MODES": "operators.algos.losses",
+    "PolicyLoss": "operators.algos.losses",
+    "agg_loss": "operators.algos.losses",
+    "entropy_loss": "operators.algos.losses",
+    "kl_loss": "operators.algos.losses",
+    "policy_loss": "operators.algos.losses",
+    "value_loss": "operators.algos.losses",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
 __all__ = [
     "GroupStats", "gae_advantages", "group_ids", "group_stats", "grpo_advantages",
