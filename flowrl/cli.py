@@ -3,12 +3,19 @@
 Every command takes a graph: a YAML file, a Python file defining one graph, a
 ``module:graph`` import path, or the name of a built-in graph (``grpo``).
 Bad input never prints a Python traceback: it prints what is wrong and where,
-and exits 1 (2 for command-line usage errors).
+and exits 1 (2 for command-line usage errors). Off a terminal (a pipe, a log
+file) nothing is wrapped and no colour codes are written.
+
+Only what a command needs is imported, when it needs it: ``--help`` imports no
+torch, and ``validate``/``viz``/``plan``/``ops`` no Ray (``benchmarks/cli.py``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import sys
 from pathlib import Path
 from enum import Enum
@@ -28,8 +35,18 @@ app = typer.Typer(
     help="flowrl: RL for language models as a declarative dataflow graph.",
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+
+
+def _make_console(stderr: bool = False) -> Console:
+    """A console that wraps and colours only on a terminal: piped text stays one line per message."""
+    c = Console(stderr=stderr)
+    return c if c.is_terminal else Console(stderr=stderr, soft_wrap=True, no_color=True, highlight=False)
+
+
+console = _make_console()
+err_console = _make_console(stderr=True)
+#: colour codes inside messages (a Ray error carries them); never written off a terminal
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 class VizFormat(str, Enum):
@@ -65,7 +82,7 @@ def _print_problems(problems: list[GraphProblem], warnings: list[GraphProblem]) 
 def _escape(text: str) -> str:
     from rich.markup import escape
 
-    return escape(text)
+    return escape(ANSI.sub("", text))
 
 
 def _load(ref: str, overrides: dict[str, Any] | None = None):
@@ -166,7 +183,16 @@ def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
     if not path.is_file():
         err_console.print(f"[bold red]error[/] --measured: no metrics at {_escape(str(path))}")
         raise typer.Exit(1)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from flowrl.runtime.sinks import MetricsFileError, read_metrics
+
+    def warn(msg: str) -> None:
+        err_console.print(f"[yellow]warning[/] {_escape(msg)}")
+
+    try:
+        rows = [row for _, row in read_metrics(path, warn=warn)]
+    except MetricsFileError as e:
+        err_console.print(f"[bold red]error[/] --measured: {_escape(str(e))}")
+        raise typer.Exit(1) from None
     costs = {n: statistics.median(r[f"timing/{n}"] for r in rows if f"timing/{n}" in r)
              for n in nodes if any(f"timing/{n}" in r for r in rows)}
     missing = [n for n in nodes if n not in costs]
@@ -185,29 +211,48 @@ def run(
     trace: Optional[str] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace here"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="replace the run already in the run directory (its metrics and checkpoints)"),
+    ray_listen_all: bool = typer.Option(
+        False, "--ray-listen-all",
+        help="let the local Ray listen on every network interface (default: 127.0.0.1 only; "
+             "anyone who can reach an open Ray can run code as you)"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
     from flowrl.runtime.errors import RuntimeFailure
     from flowrl.runtime.trainer import Trainer
     from visualizer.live import LiveView
 
+    if resume and overwrite:
+        err_console.print("[bold red]error[/] --resume continues the run in the directory and --overwrite "
+                          "replaces it: give one of them")
+        raise typer.Exit(2)
+    if ray_listen_all:
+        os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
     g = _load_checked(graph, set_)
     total = steps if steps is not None else g.config.trainer.steps
+    trainer = None
     try:
         with LiveView(g, total_steps=total, console=console) as view:
             trainer = Trainer(g, backend=backend.value, steps=steps, out=out, address=address, trace=trace,
-                              on_step=view.step, on_progress=view.progress, resume=resume, say=view.say)
+                              on_step=view.step, on_progress=view.progress, resume=resume, say=view.say,
+                              overwrite=overwrite, history_limit=0)
             view.placement = dict(trainer.runtime.plan.moved)
             view.say(f"{g.name}: {total} steps on the {backend.value} backend → {trainer.out}")
             trainer.run()
     except RuntimeFailure as e:
         err_console.print(f"[bold red]run failed[/] {_escape(str(e))}")
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        err_console.print("[bold red]aborted[/] by a second signal: the steps since the last checkpoint are lost")
+        signum = trainer.stop_signal if trainer is not None else None
+        raise typer.Exit(143 if signum == signal.SIGTERM else 130) from None
     except (OSError, ValueError) as e:
         err_console.print(f"[bold red]error[/] {_escape(f'{type(e).__name__}: {e}')}")
         raise typer.Exit(1) from None
     if trainer.stopped:
-        raise typer.Exit(130)
+        # the shell's convention for "ended by a signal": 128 + its number
+        raise typer.Exit(143 if trainer.stop_signal == signal.SIGTERM else 130)
     console.print(f"[green]done[/]: metrics in {trainer.out / 'metrics.jsonl'}")
 
 
@@ -239,10 +284,10 @@ def ops(
     table = Table(title="operators", show_lines=False)
     table.add_column("operator", no_wrap=True, style="bold")
     for col in ("role", "scope", "reads", "writes", "parameters"):
-        table.add_column(col, overflow="fold")
+        table.add_column(col)  # wrapped at spaces and commas: a word is never split
     for name in sorted(REGISTRY.operators):
         op = REGISTRY.operators[name]
-        params = ", ".join(f"{n}={d}" for n, _, d, _ in op.param_table())
+        params = ", ".join(f"{n}={d}" for n, _, d, _ in op.param_table())  # rich wraps after ", "
         table.add_row(name, op.role or "-", op.scope, ", ".join(op.input_names), ", ".join(op.output_names), params)
     console.print(table)
 
