@@ -292,24 +292,25 @@ def test_a_checkpoint_of_the_wrong_shape_falls_back_to_the_previous_one(tmp_path
     assert [r["step"] for r in more] == [3, 4, 5]
 
 
-# ---------------------------------------------------------------- closed by default
-LISTEN_SCRIPT = r"""
-import json, os, sys
-from flowrl.graph import load_graph
-from flowrl.runtime.trainer import Trainer
-
-def listening():
-    pids, kids = [os.getpid()], {}
+# ---------------------------------------------------------------- closed by default, on Ray too
+def _process_tree(root: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
-                ppid = int(open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1])
-            except OSError:
+                ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
                 continue
             kids.setdefault(ppid, []).append(int(p))
-    i = 0
-    while i < len(pids):
-        pids.extend(kids.get(pids[i], [])); i += 1
+    out, i = [root], 0
+    while i < len(out):
+        out.extend(kids.get(out[i], []))
+        i += 1
+    return out
+
+
+def _listening_addresses(pids: list[int]) -> list[str]:
+    """The local address (hex, as /proc/net prints it) of every TCP socket ``pids`` listen on."""
     inodes = set()
     for pid in pids:
         try:
@@ -325,30 +326,39 @@ def listening():
                 inodes.add(link[8:-1])
     out = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in open(table).read().splitlines()[1:]:
+        for line in Path(table).read_text().splitlines()[1:]:
             parts = line.split()
             if parts[3] == "0A" and parts[9] in inodes:  # 0A: LISTEN
                 out.append(parts[1].split(":")[0])
     return out
 
-found = []
-g = load_graph("grpo", overrides=json.loads(sys.argv[2]))
-Trainer(g, backend="ray", steps=1, out=sys.argv[1], say=lambda m: None,
-        on_step=lambda step, row: found.extend(listening())).run()
-print(json.dumps(found))
-"""
 
 LOOPBACK = {"0100007F",  # 127.0.0.1
             "0000000000000000FFFF00000100007F",  # ::ffff:127.0.0.1
             "00000000000000000000000001000000"}  # ::1
 
 
-def test_a_run_on_a_local_ray_listens_on_loopback_only(tmp_path):
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux /proc")
+def test_a_ray_run_listens_on_loopback_only_and_sigterm_saves_and_exits_143(tmp_path):
     env = _env()
     env.pop("RAY_ADDRESS", None)
-    res = subprocess.run([sys.executable, "-c", LISTEN_SCRIPT, str(tmp_path / "run"), json.dumps(TINY)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr[-3000:]
-    found = json.loads(res.stdout.strip().splitlines()[-1])
-    assert len(found) >= 3  # Ray's servers (GCS, raylet, object manager...) were seen listening
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "run", "grpo", "--backend", "ray", "--steps", "500",
+                             "--out", str(out), *TINY_SET],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (out / "metrics.jsonl").is_file():
+            time.sleep(0.1)
+        found = _listening_addresses(_process_tree(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(found) >= 3, text  # Ray's servers (GCS, raylet, object manager...) were seen listening
     assert set(found) <= LOOPBACK, found
+    assert proc.returncode == 143, text  # not Ray's abort (134), not a lost run
+    done = len(rows(out))
+    assert CheckpointStore(out / "checkpoints").complete()[0].name == f"step_{done:08d}"
