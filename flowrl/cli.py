@@ -108,7 +108,11 @@ def validate(
     graph: str = typer.Argument(..., help="graph: file.yaml, file.py, module:graph, or a built-in name"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
 ) -> None:
-    """Check a graph without running anything; exit 1 on any error."""
+    """Check a graph as the run would, without running a step; exit 1 on any error.
+
+    It imports the Python modules the graph names (imports:, op: mod:fn, a reward fn:),
+    opens its dataset file and reads its model's config: a graph file is code.
+    """
     g = _load(graph, parse_overrides(set_))
     report = g.check()
     _print_problems(report.errors, report.warnings)
@@ -137,7 +141,7 @@ def viz(
     compact: bool = typer.Option(False, "--compact", help="one line per node"),
     width: Optional[int] = typer.Option(None, "--width", help="terminal width to lay out for"),
 ) -> None:
-    """Draw the graph: in the terminal, or as Mermaid / Graphviz / JSON."""
+    """Draw the graph: in the terminal, or as Mermaid / Graphviz / JSON (imports the modules it names)."""
     from visualizer import export
     from visualizer.dag import print_dag
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from flowrl.graph import Params, operator
+from flowrl.graph.checks import MissingProducerError, graph_check
 from operators.algos import entropy_loss, kl_loss, policy_loss
 from operators.logprob import SEQUENCE_IN
 from operators.models import response_log_probs
@@ -26,6 +27,21 @@ class ActorUpdate(Params):
     epochs: int = Field(1, ge=1, description="passes over the batch")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per forward pass (grad accumulation)")
     temperature: float = Field(1.0, gt=0, description="the rollout's temperature")
+
+
+@graph_check
+def _kl_loss_has_reference(graph):
+    """use_kl_loss reads ref_log_prob, an optional input: without a producer the update would fail at step 1."""
+    producers = graph.producers()
+    for name, node in graph.nodes.items():
+        if node.op_name == "actor.update" and node.params is not None and node.params.use_kl_loss:
+            field = dict(node.config.inputs).get("ref_log_prob", "ref_log_prob")
+            if field not in producers:
+                yield MissingProducerError(
+                    f"use_kl_loss: true needs {field!r} (the reference policy's log-probs), and no node "
+                    f"produces it", node=name, field=field, location=graph.locate("nodes", name, "use_kl_loss"),
+                    fix="add a node {op: logprob.ref, role: ref} with a frozen reference role, or set "
+                        "use_kl_loss: false")
 
 
 @operator(

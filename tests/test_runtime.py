@@ -140,7 +140,7 @@ def test_operator_exception_names_node_step_worker_and_traceback(backend, tmp_pa
     with pytest.raises(NodeError) as exc:
         list(rt.run(batches(4), steps=1))
     msg = str(exc.value)
-    assert "node 'fault' failed at step 0" in msg and "critic[0]" in msg
+    assert "node 'fault' failed at step 1" in msg and "critic[0]" in msg
     assert "ValueError: the reward server returned garbage" in msg
     assert "remote traceback" in msg and "graph_ops.py" in msg
     rt.close()

@@ -142,6 +142,77 @@ def case_unknown_graph(tmp: Path) -> list[str]:
     return ["validate", "no_such_graph"]
 
 
+def case_misspelled_reward_fn(tmp: Path) -> list[str]:
+    return ["validate", "grpo", "--set", "nodes.reward.fn=arithh"]
+
+
+def case_dataset_without_reward_model(tmp: Path) -> list[str]:
+    (tmp / "d.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}],
+                                             "data_source": "x"}) + "\n")
+    return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
+def case_zero_row_dataset(tmp: Path) -> list[str]:
+    (tmp / "d.jsonl").write_text("")
+    return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
+def case_model_dir_without_config(tmp: Path) -> list[str]:
+    (tmp / "model").mkdir()
+    return ["validate", "grpo", "--set", f"roles.actor.model={tmp / 'model'}"]
+
+
+def case_top_k_out_of_range(tmp: Path) -> list[str]:
+    return ["validate", "grpo", "--set", "nodes.generate.top_k=-2"]
+
+
+def case_kl_loss_without_reference(tmp: Path) -> list[str]:
+    return ["validate", "grpo", "--set", "nodes.update_actor.use_kl_loss=true"]
+
+
+def case_validation_with_nothing_that_scores(tmp: Path) -> list[str]:
+    g = _grpo_yaml(tmp, **{"  reward:       {op: reward.rule}\n": "",
+                          "inputs: {token_level_rewards: token_level_scores}": "inputs: {token_level_rewards: rw}",
+                          "name: grpo": "name: g\nimports: [mymod]"})
+    (tmp / "mymod.py").write_text(
+        "from flowrl.graph import operator\n"
+        "@operator('mymod.const', inputs={'responses': 'int64[B, R]'}, outputs={'rw': 'float32[B, R]'})\n"
+        "def const(batch, p):\n    return {'rw': batch['responses'].float() * 0}\n")
+    return ["validate", str(g)]
+
+
+def case_staleness_of_a_misspelled_role(tmp: Path) -> list[str]:
+    g = _grpo_yaml(tmp, **{"staleness: 0": "staleness: {acter: 1}"})
+    return ["validate", str(g)]
+
+
+def case_bad_data_path_is_one_error(tmp: Path) -> list[str]:
+    return ["validate", "grpo", "--set", "data.source=nope.parquet"]
+
+
+def case_own_operator_next_to_the_graph_file(tmp: Path) -> list[str]:
+    (tmp / "mymod.py").write_text((ROOT / "tests" / "userpkg" / "length_penalty.py").read_text()
+                                  .replace("userpkg.length_penalty", "mymod.length_penalty"))
+    g = _grpo_yaml(tmp, **{"inputs: {token_level_rewards: token_level_scores}": "",
+                          "  reward:       {op: reward.rule}\n":
+                          "  reward:       {op: reward.rule}\n  penalty: {op: 'mymod:length_penalty'}\n"})
+    return ["validate", str(g)]
+
+
+def case_prompt_of_the_wrong_type(tmp: Path) -> list[str]:
+    row = {"prompt": 7, "data_source": "x", "reward_model": {"ground_truth": "1"}}
+    (tmp / "d.jsonl").write_text(json.dumps(row) + "\n")
+    return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
+def case_word_outside_the_tiny_vocabulary(tmp: Path) -> list[str]:
+    row = {"prompt": [{"role": "user", "content": "copy 1 2 zebra"}], "data_source": "builtin:copy",
+           "reward_model": {"ground_truth": "1 2"}}
+    (tmp / "d.jsonl").write_text((json.dumps(row) + "\n") * 4)
+    return ["run", "grpo", "--backend", "local", "--steps", "1", "--out", str(tmp / "run"), *TINY_SET,
+            "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
 # (case, exit code, fragments of the message: each short enough to assert on normalised whitespace)
 CATALOGUE = [
     (case_binary_file, 1, ["bin.yaml is not a text file"]),
@@ -156,6 +227,18 @@ CATALOGUE = [
     (case_checkpoint_with_a_callable, 1, ["workers.pt holds something other than tensors", "posix.system"]),
     (case_measured_with_a_torn_line, 0, ["metrics.jsonl: line 2 is incomplete"]),
     (case_unknown_graph, 1, ["no graph 'no_such_graph'"]),
+    (case_misspelled_reward_fn, 1, ["node 'reward', field 'fn'", "unknown reward function 'arithh'"]),
+    (case_dataset_without_reward_model, 1, ["missing required column 'reward_model'"]),
+    (case_zero_row_dataset, 1, ["the file has no rows"]),
+    (case_model_dir_without_config, 1, ["(no config.json)"]),
+    (case_top_k_out_of_range, 1, ["field 'top_k'", "greater than or equal to -1"]),
+    (case_kl_loss_without_reference, 1, ["use_kl_loss: true needs 'ref_log_prob'"]),
+    (case_validation_with_nothing_that_scores, 1, ["trainer.val_every asks for validation"]),
+    (case_staleness_of_a_misspelled_role, 1, ["schedule.staleness names 'acter'", "did you mean 'actor'?"]),
+    (case_bad_data_path_is_one_error, 1, ["7 inputs of advantage, generate, reward have no producer", "1 error"]),
+    (case_own_operator_next_to_the_graph_file, 0, ["ok grpo"]),
+    (case_prompt_of_the_wrong_type, 1, ["row 0: 'prompt' is int", "a list of chat messages"]),
+    (case_word_outside_the_tiny_vocabulary, 1, ["outside the tokenizer's vocabulary ('zebra')"]),
 ]
 
 

@@ -276,7 +276,7 @@ class Runtime:
         g, plan = graph or self.graph, plan or self.plan
         problems = batch.check_fields(g.source_fields)
         if problems:
-            raise DataSourceMismatch(f"step {t}: the data source's batch does not match the columns it declares: "
+            raise DataSourceMismatch(f"step {t + 1}: the data source's batch does not match the columns it declares: "
                                      + "; ".join(problems))
         src = self.backend.put(batch)
         st = _Step(t, time.time(), src, graph=g, plan=plan, prefix=prefix)
@@ -422,7 +422,7 @@ class Runtime:
             if now - ready > limit:
                 waited = [f"{d[0]}" + (f"[{d[1]}]" if d[1] is not None else "") for d in deps]
                 raise NodeTimeoutError(
-                    f"node {key[0]!r} (step {st.step}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
+                    f"node {key[0]!r} (step {st.step + 1}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
                     + f") has run {now - ready:.1f}s on {self.backend.worker_label(pool, rank)}, past its "
                     f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were ready and its "
                     f"worker free, so it is the operator itself that is slow or stuck"
@@ -438,8 +438,8 @@ class Runtime:
         node = key[0] if key else "(weight sync)"
         where = self.backend.worker_label(pool, rank)
         if death:
-            return WorkerDiedError(f"worker {where} died while running node {node!r} at step {step}: {death}")
-        return RuntimeFailure(f"node {node!r} at step {step} on {where} failed: {type(exc).__name__}: {exc}")
+            return WorkerDiedError(f"worker {where} died while running node {node!r} at step {step + 1}: {death}")
+        return RuntimeFailure(f"node {node!r} at step {step + 1} on {where} failed: {type(exc).__name__}: {exc}")
 
     def _clear_before(self, step: int) -> None:
         keep = step - self.max_staleness - 1

@@ -14,6 +14,7 @@ from flowrl.data.lazy import lazy_exports
 _HOME = {
     "REQUIRED_COLUMNS": "operators.data.dataset",
     "DatasetError": "operators.data.dataset",
+    "inspect_file": "operators.data.dataset",
     "PromptDataset": "operators.data.dataset",
     "PromptLoader": "operators.data.dataset",
     "left_pad": "operators.data.dataset",

@@ -13,6 +13,7 @@ from flowrl.data.lazy import lazy_exports
 _HOME = {
     "BUILTIN_MODELS": "operators.models.loading",
     "ModelLoadError": "operators.models.loading",
+    "check_model_spec": "operators.models.loading",
     "load_model": "operators.models.loading",
     "load_tokenizer": "operators.models.loading",
     "resolve_dtype": "operators.models.loading",
@@ -32,7 +33,7 @@ _HOME = {
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
 __all__ = [
-    "BUILTIN_MODELS", "ModelLoadError", "load_model", "load_tokenizer", "resolve_dtype", "save_model",
+    "BUILTIN_MODELS", "ModelLoadError", "check_model_spec", "load_model", "load_tokenizer", "resolve_dtype", "save_model",
     "response_log_probs", "response_values",
     "OptimConfig", "build_optimizer", "clip_grad_norm", "lr_multiplier",
     "VOCAB", "build_tiny_model", "build_tiny_tokenizer", "tiny_config",
