@@ -71,10 +71,11 @@ def main() -> None:
     if proc.returncode != 0:
         sys.exit(f"flowrl run failed ({proc.returncode}): {proc.stderr.read()[-2000:]}")
     wall = time.time() - t0
-    marks = sorted({args.warmup, *(s for s in range(0, args.steps + 1, max(1, args.steps // 8)) if s)})
+    marks = sorted({args.warmup, *(s for s in range(0, args.steps, max(1, args.steps // 8)) if s), args.steps - 1})
     print(f"driver RSS of `{' '.join(cmd[1:])}`")
     print(f"{'step':>6}  {'RSS MiB':>8}  {'vs step ' + str(args.warmup):>12}")
-    seen = sorted(samples)
+    # the final step's samples fall in the end-of-run checkpoint and teardown: compare running steps only
+    seen = sorted(s for s in samples if s < args.steps)
     base_step = min(seen, key=lambda s: abs(s - args.warmup))
     base = samples[base_step]
     for m in marks:

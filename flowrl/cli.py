@@ -285,15 +285,28 @@ def ops(
     if name is not None:
         _describe_op(name)
         return
-    table = Table(title="operators", show_lines=False)
-    table.add_column("operator", no_wrap=True, style="bold")
-    for col in ("role", "scope", "reads", "writes", "parameters"):
-        table.add_column(col)  # wrapped at spaces and commas: a word is never split
+    rows = []
     for name in sorted(REGISTRY.operators):
         op = REGISTRY.operators[name]
-        params = ", ".join(f"{n}={d}" for n, _, d, _ in op.param_table())  # rich wraps after ", "
-        table.add_row(name, op.role or "-", op.scope, ", ".join(op.input_names), ", ".join(op.output_names), params)
-    console.print(table)
+        params = [f"{n}={d}," for n, _, d, _ in op.param_table()]
+        rows.append([[name], [op.role or "-"], [op.scope], [f"{x}," for x in op.input_names],
+                     [f"{x}," for x in op.output_names], params])
+    header = ("operator", "role", "scope", "reads", "writes", "parameters")
+    # every column at least as wide as its longest word, so wrapping never splits one
+    widths = [max([len(header[i])] + [len(w) for r in rows for w in r[i]]) for i in range(len(header))]
+    if sum(widths) + 3 * len(widths) + 1 <= console.width:
+        table = Table(title="operators", show_lines=False)
+        for col, w in zip(header, widths):
+            table.add_column(col, min_width=w, style="bold" if col == "operator" else None)
+        for r in rows:
+            table.add_row(*(" ".join(words).rstrip(",") for words in r))
+        console.print(table)
+        return
+    for r in rows:  # too narrow for the table: one block per operator, wrapped at spaces
+        console.print(f"[bold]{r[0][0]}[/]  role {r[1][0]}, scope {r[2][0]}")
+        for label, words in (("reads", r[3]), ("writes", r[4]), ("parameters", r[5])):
+            if words:
+                console.print(f"  {label}: " + _escape(" ".join(words).rstrip(",")))
 
 
 def _describe_op(name: str) -> None:

@@ -213,6 +213,11 @@ def case_word_outside_the_tiny_vocabulary(tmp: Path) -> list[str]:
             "--set", f"data.source={tmp / 'd.jsonl'}"]
 
 
+def case_ray_address_in_the_environment(tmp: Path) -> tuple[list[str], dict[str, str]]:
+    args = ["run", "grpo", "--steps", "1", "--out", str(tmp / "run"), *TINY_SET]
+    return args, {"RAY_ADDRESS": "127.0.0.1:1"}  # nothing listens on port 1
+
+
 # (case, exit code, fragments of the message: each short enough to assert on normalised whitespace)
 CATALOGUE = [
     (case_binary_file, 1, ["bin.yaml is not a text file"]),
@@ -239,12 +244,15 @@ CATALOGUE = [
     (case_own_operator_next_to_the_graph_file, 0, ["ok grpo"]),
     (case_prompt_of_the_wrong_type, 1, ["row 0: 'prompt' is int", "a list of chat messages"]),
     (case_word_outside_the_tiny_vocabulary, 1, ["outside the tokenizer's vocabulary ('zebra')"]),
+    (case_ray_address_in_the_environment, 1, ["cannot reach the Ray cluster at 127.0.0.1:1 (RAY_ADDRESS"]),
 ]
 
 
 @pytest.mark.parametrize("make,code,fragments", CATALOGUE, ids=[c[0].__name__[5:] for c in CATALOGUE])
 def test_bad_input_gets_a_message_not_a_traceback(tmp_path, make, code, fragments):
-    res = cli(*make(tmp_path))
+    made = make(tmp_path)
+    args, env = made if isinstance(made, tuple) else (made, {})
+    res = cli(*args, **env)
     both = flat(res.stdout + res.stderr)
     assert res.returncode == code, both
     for fragment in fragments:

@@ -249,6 +249,7 @@ class RayBackend(Backend):
             # Ray's own start-up chatter would interleave with the run's view; errors still show
             quiet = {"logging_level": logging.ERROR, "log_to_driver": True}
             if address:
+                _reachable(address, "--address" if self.address else "RAY_ADDRESS in the environment")
                 try:
                     ray.init(address=address, runtime_env=env, **quiet)
                 except ConnectionError as e:
@@ -352,6 +353,21 @@ class RayBackend(Backend):
         self.groups.clear()
         if self._started_ray:
             ray.shutdown()
+
+
+def _reachable(address: str, origin: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, naming ``origin``, when a ``host:port`` cluster address does not answer (Ray would retry
+    for minutes)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", ray://...: Ray resolves those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise PlacementError(f"cannot reach the Ray cluster at {address} ({origin}): {e.strerror or e}. Start "
+                             f"it, fix the address, or unset RAY_ADDRESS to run on a local Ray") from None
 
 
 def make_backend(name: str, address: str | None = None) -> Backend:

@@ -40,6 +40,9 @@ from flowrl.runtime.scheduler import Runtime, StepResult
 from flowrl.runtime.sinks import open_sinks, read_metrics
 from flowrl.runtime.validation import validation_graph
 
+#: task records kept in the driver when no trace is written (a few steps' worth: memory stays flat)
+TIMELINE_RECORDS = 1_000
+
 #: fields written by ``trainer.dump_rollouts``, when the graph has them
 DUMPED = ("uid", "prompts", "responses", "response_mask", "token_level_scores", "advantages", "weight_version")
 
@@ -84,6 +87,8 @@ class Trainer:
                            if self.val_graph is not None else None)
         self.history: list[dict[str, float]] = []
         self.history_limit = history_limit
+        if self.trace is None:
+            self.runtime.timeline.keep_last(TIMELINE_RECORDS)
         self.resume, self.say, self.overwrite = resume, say, overwrite
         #: the signal that stopped the run gracefully (``signal.SIGINT`` or ``signal.SIGTERM``), if any
         self.stop_signal: int | None = None
