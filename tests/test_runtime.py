@@ -280,4 +280,4 @@ def test_a_source_batch_unlike_its_declared_columns_fails_naming_them():
     with Runtime(g, backend="local", resources=BIG) as rt:
         with pytest.raises(DataSourceMismatch) as exc:
             rt.run_step(bad)
-    assert "step 0" in str(exc.value) and "prompts: dtype float32, expected int64" in str(exc.value)
+    assert "step 1" in str(exc.value) and "prompts: dtype float32, expected int64" in str(exc.value)

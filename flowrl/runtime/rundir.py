@@ -88,9 +88,15 @@ class RunDirectory:
 
     # ------------------------------------------------------------------ state
     def existing_state(self) -> list[str]:
-        """Names of the run-state files and folders already in the directory."""
-        return [name for name in RUN_STATE if (self.path / name).exists()
-                and not (name == "metrics.jsonl" and (self.path / name).stat().st_size == 0)]
+        """What of another run's state the directory holds: metrics rows or checkpoints (a run that
+        stopped before its first step left neither, and is simply replaced)."""
+        found = []
+        metrics = self.path / "metrics.jsonl"
+        if metrics.is_file() and metrics.stat().st_size > 0:
+            found.append("metrics.jsonl")
+        if any((self.path / "checkpoints").glob("step_*")):
+            found.append("checkpoints")
+        return found
 
     def claim(self, *, resume: bool, overwrite: bool) -> None:
         """Apply the fresh-run rule: another run's state is refused unless resuming or overwriting."""
@@ -98,15 +104,19 @@ class RunDirectory:
         if resume or not found:
             return
         if overwrite:
-            for name in found:
-                target = self.path / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink()
-            self.say(f"--overwrite: removed the previous run's {', '.join(found)} from {self.path}")
+            removed = [name for name in RUN_STATE if (self.path / name).exists()]
+            self._remove(removed)
+            self.say(f"--overwrite: removed the previous run's {', '.join(removed)} from {self.path}")
             return
         raise RunDirectoryError(
             f"run directory {self.path} already holds a run ({', '.join(found)}). Continue it with --resume, "
             f"replace it with --overwrite, or choose another directory with --out"
         )
+
+    def _remove(self, names: list[str]) -> None:
+        for name in names:
+            target = self.path / name
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
 
 
 def _read_holder(fd: int) -> dict[str, Any] | None:
