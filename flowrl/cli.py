@@ -211,7 +211,8 @@ def run(
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps to run (default: trainer.steps)"),
     out: Optional[str] = typer.Option(None, "--out", help="run directory (default: trainer.out)"),
     backend: BackendName = typer.Option(BackendName.ray, "--backend", help="ray (default) or local"),
-    address: Optional[str] = typer.Option(None, "--address", help="a Ray cluster to join"),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="a Ray cluster to join (default: RAY_ADDRESS when set, else a local Ray on 127.0.0.1)"),
     trace: Optional[str] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace here"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
