@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -335,8 +335,6 @@ def test_resume_drops_only_the_rows_after_the_checkpoint(tmp_path):
     newest = CheckpointStore(tmp_path / "checkpoints").complete()[0]
     assert newest.name == "step_00000004"
     # a run killed after step 3 leaves its rows but no checkpoint of them
-    import shutil
-
     shutil.rmtree(newest)
     before = rows(tmp_path)
     said: list[str] = []
