@@ -451,3 +451,15 @@ def test_a_ray_run_listens_on_loopback_only_and_sigterm_saves_and_exits_143(tmp_
     assert proc.returncode == 143, text  # not Ray's abort (134), not a lost run
     done = len(rows(out))
     assert CheckpointStore(out / "checkpoints").complete()[0].name == f"step_{done:08d}"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full to stand in for a full disk")
+def test_a_full_disk_names_the_metrics_file_and_how_to_continue(tmp_path):
+    from flowrl.runtime.sinks import Sinks
+
+    sinks = Sinks(tmp_path)
+    sinks.jsonl.close()
+    sinks.jsonl = open("/dev/full", "a")  # every write fails with ENOSPC
+    with pytest.raises(OSError) as exc:
+        sinks.write(1, {"step": 1, "reward/mean": 0.5})
+    assert "cannot write /dev/full" in str(exc.value) and "--resume" in str(exc.value)

@@ -64,8 +64,12 @@ class Sinks:
         return ["jsonl"] + (["tensorboard"] if self.tensorboard else []) + (["wandb"] if self.wandb_run else [])
 
     def write(self, step: int, row: dict[str, Any]) -> None:
-        self.jsonl.write(json.dumps(row) + "\n")
-        self.jsonl.flush()
+        try:
+            self.jsonl.write(json.dumps(row) + "\n")
+            self.jsonl.flush()
+        except OSError as e:  # a full disk: say which file, and that checkpoints so far are intact
+            raise OSError(e.errno, f"cannot write {self.jsonl.name}: {e.strerror or e}; free disk space and "
+                                   f"continue with --resume (checkpoints so far are intact)") from None
         scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
         if self.tensorboard is not None:
             for k, v in scalars.items():
