@@ -3,12 +3,19 @@
 Every command takes a graph: a YAML file, a Python file defining one graph, a
 ``module:graph`` import path, or the name of a built-in graph (``grpo``).
 Bad input never prints a Python traceback: it prints what is wrong and where,
-and exits 1 (2 for command-line usage errors).
+and exits 1 (2 for command-line usage errors). Off a terminal (a pipe, a log
+file) nothing is wrapped and no colour codes are written.
+
+Only what a command needs is imported, when it needs it: ``--help`` imports no
+torch, and ``validate``/``viz``/``plan``/``ops`` no Ray (``benchmarks/cli.py``).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import sys
 from pathlib import Path
 from enum import Enum
@@ -28,8 +35,18 @@ app = typer.Typer(
     help="flowrl: RL for language models as a declarative dataflow graph.",
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
+
+
+def _make_console(stderr: bool = False) -> Console:
+    """A console that wraps and colours only on a terminal: piped text stays one line per message."""
+    c = Console(stderr=stderr)
+    return c if c.is_terminal else Console(stderr=stderr, soft_wrap=True, no_color=True, highlight=False)
+
+
+console = _make_console()
+err_console = _make_console(stderr=True)
+#: colour codes inside messages (a Ray error carries them); never written off a terminal
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 class VizFormat(str, Enum):
@@ -60,7 +77,7 @@ def _print_problems(problems: list[GraphProblem], warnings: list[GraphProblem]) 
 def _escape(text: str) -> str:
     from rich.markup import escape
 
-    return escape(text)
+    return escape(ANSI.sub("", text))
 
 
 def _load(ref: str, overrides: dict[str, Any] | None = None):
@@ -86,7 +103,11 @@ def validate(
     graph: str = typer.Argument(..., help="graph: file.yaml, file.py, module:graph, or a built-in name"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
 ) -> None:
-    """Check a graph without running anything; exit 1 on any error."""
+    """Check a graph as the run would, without running a step; exit 1 on any error.
+
+    It imports the Python modules the graph names (imports:, op: mod:fn, a reward fn:),
+    opens its dataset file and reads its model's config: a graph file is code.
+    """
     g = _load(graph, parse_overrides(set_))
     report = g.check()
     _print_problems(report.errors, report.warnings)
@@ -115,7 +136,7 @@ def viz(
     compact: bool = typer.Option(False, "--compact", help="one line per node"),
     width: Optional[int] = typer.Option(None, "--width", help="terminal width to lay out for"),
 ) -> None:
-    """Draw the graph: in the terminal, or as Mermaid / Graphviz / JSON."""
+    """Draw the graph: in the terminal, or as Mermaid / Graphviz / JSON (imports the modules it names)."""
     from visualizer import export
     from visualizer.dag import print_dag
 
@@ -161,7 +182,16 @@ def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
     if not path.is_file():
         err_console.print(f"[bold red]error[/] --measured: no metrics at {_escape(str(path))}")
         raise typer.Exit(1)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from flowrl.runtime.sinks import MetricsFileError, read_metrics
+
+    def warn(msg: str) -> None:
+        err_console.print(f"[yellow]warning[/] {_escape(msg)}")
+
+    try:
+        rows = [row for _, row in read_metrics(path, warn=warn)]
+    except MetricsFileError as e:
+        err_console.print(f"[bold red]error[/] --measured: {_escape(str(e))}")
+        raise typer.Exit(1) from None
     costs = {n: statistics.median(r[f"timing/{n}"] for r in rows if f"timing/{n}" in r)
              for n in nodes if any(f"timing/{n}" in r for r in rows)}
     missing = [n for n in nodes if n not in costs]
@@ -176,10 +206,17 @@ def run(
     steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps to run (default: trainer.steps)"),
     out: Optional[str] = typer.Option(None, "--out", help="run directory (default: trainer.out)"),
     backend: str = typer.Option("ray", "--backend", help="a registered backend: ray (default) or local"),
-    address: Optional[str] = typer.Option(None, "--address", help="a Ray cluster to join"),
+    address: Optional[str] = typer.Option(
+        None, "--address", help="a Ray cluster to join (default: RAY_ADDRESS when set, else a local Ray on 127.0.0.1)"),
     trace: Optional[str] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace here"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
+    overwrite: bool = typer.Option(False, "--overwrite",
+                                   help="replace the run already in the run directory (its metrics and checkpoints)"),
+    ray_listen_all: bool = typer.Option(
+        False, "--ray-listen-all",
+        help="let the local Ray listen on every network interface (default: 127.0.0.1 only; "
+             "anyone who can reach an open Ray can run code as you)"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
     from flowrl.runtime.backends import BACKENDS
@@ -191,23 +228,36 @@ def run(
         err_console.print(f"[bold red]error[/] --backend {_escape(backend)!s}: not a backend; "
                           f"use one of {', '.join(sorted(BACKENDS))}")
         raise typer.Exit(2)
+    if resume and overwrite:
+        err_console.print("[bold red]error[/] --resume continues the run in the directory and --overwrite "
+                          "replaces it: give one of them")
+        raise typer.Exit(2)
+    if ray_listen_all:
+        os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
     g = _load_checked(graph, set_)
     total = steps if steps is not None else g.config.trainer.steps
+    trainer = None
     try:
         with LiveView(g, total_steps=total, console=console) as view:
             trainer = Trainer(g, backend=backend, steps=steps, out=out, address=address, trace=trace,
-                              on_step=view.step, on_progress=view.progress, resume=resume, say=view.say)
+                              on_step=view.step, on_progress=view.progress, resume=resume, say=view.say,
+                              overwrite=overwrite, history_limit=0)
             view.placement = dict(trainer.runtime.plan.moved)
             view.say(f"{g.name}: {total} steps on the {backend} backend → {trainer.out}")
             trainer.run()
     except RuntimeFailure as e:
         err_console.print(f"[bold red]run failed[/] {_escape(str(e))}")
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        err_console.print("[bold red]aborted[/] by a second signal: the steps since the last checkpoint are lost")
+        signum = trainer.stop_signal if trainer is not None else None
+        raise typer.Exit(143 if signum == signal.SIGTERM else 130) from None
     except (OSError, ValueError) as e:
         err_console.print(f"[bold red]error[/] {_escape(f'{type(e).__name__}: {e}')}")
         raise typer.Exit(1) from None
     if trainer.stopped:
-        raise typer.Exit(130)
+        # the shell's convention for "ended by a signal": 128 + its number
+        raise typer.Exit(143 if trainer.stop_signal == signal.SIGTERM else 130)
     console.print(f"[green]done[/]: metrics in {trainer.out / 'metrics.jsonl'}")
 
 
@@ -254,15 +304,28 @@ def ops(
     if name is not None:
         _describe_op(name)
         return
-    table = Table(title="operators", show_lines=False)
-    table.add_column("operator", no_wrap=True, style="bold")
-    for col in ("role", "scope", "reads", "writes", "parameters"):
-        table.add_column(col, overflow="fold")
+    rows = []
     for name in sorted(REGISTRY.operators):
         op = REGISTRY.operators[name]
-        params = ", ".join(f"{n}={d}" for n, _, d, _ in op.param_table())
-        table.add_row(name, op.role or "-", op.scope, ", ".join(op.input_names), ", ".join(op.output_names), params)
-    console.print(table)
+        params = [f"{n}={d}," for n, _, d, _ in op.param_table()]
+        rows.append([[name], [op.role or "-"], [op.scope], [f"{x}," for x in op.input_names],
+                     [f"{x}," for x in op.output_names], params])
+    header = ("operator", "role", "scope", "reads", "writes", "parameters")
+    # every column at least as wide as its longest word, so wrapping never splits one
+    widths = [max([len(header[i])] + [len(w) for r in rows for w in r[i]]) for i in range(len(header))]
+    if sum(widths) + 3 * len(widths) + 1 <= console.width:
+        table = Table(title="operators", show_lines=False)
+        for col, w in zip(header, widths):
+            table.add_column(col, min_width=w, style="bold" if col == "operator" else None)
+        for r in rows:
+            table.add_row(*(" ".join(words).rstrip(",") for words in r))
+        console.print(table)
+        return
+    for r in rows:  # too narrow for the table: one block per operator, wrapped at spaces
+        console.print(f"[bold]{r[0][0]}[/]  role {r[1][0]}, scope {r[2][0]}")
+        for label, words in (("reads", r[3]), ("writes", r[4]), ("parameters", r[5])):
+            if words:
+                console.print(f"  {label}: " + _escape(" ".join(words).rstrip(",")))
 
 
 def _describe_op(name: str) -> None:

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from flowrl.graph import Params, operator
+from flowrl.graph.checks import MissingProducerError, graph_check
 from operators.algos import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
@@ -85,6 +86,21 @@ def contributions(metrics: dict, norm, mask) -> dict:
     ``*_max`` metrics stay as they are (``fit`` keeps the largest)."""
     w = 1.0 if norm is None else norm.weight(mask)
     return {k: v if k.endswith("_max") else v * w for k, v in metrics.items()}
+
+
+@graph_check
+def _kl_loss_has_reference(graph):
+    """use_kl_loss reads ref_log_prob, an optional input: without a producer the update would fail at step 1."""
+    producers = graph.producers()
+    for name, node in graph.nodes.items():
+        if node.op_name == "actor.update" and node.params is not None and node.params.use_kl_loss:
+            field = dict(node.config.inputs).get("ref_log_prob", "ref_log_prob")
+            if field not in producers:
+                yield MissingProducerError(
+                    f"use_kl_loss: true needs {field!r} (the reference policy's log-probs), and no node "
+                    f"produces it", node=name, field=field, location=graph.locate("nodes", name, "use_kl_loss"),
+                    fix="add a node {op: logprob.ref, role: ref} with a frozen reference role, or set "
+                        "use_kl_loss: false")
 
 
 @operator(

@@ -10,8 +10,9 @@ from functools import lru_cache
 from pydantic import Field
 
 from flowrl.graph import Params, operator
+from flowrl.graph.checks import ParameterError, graph_check
 from operators.models import load_tokenizer
-from operators.rewards import compute_scores, extra_metrics, place_at_last_token
+from operators.rewards import compute_scores, extra_metrics, place_at_last_token, resolve_reward_fn
 
 
 class Rule(Params):
@@ -47,6 +48,19 @@ def rule(batch, p: Rule):
     metrics = {"reward/mean": scores.mean(), "reward/max": scores.max(), "reward/min": scores.min(),
                **extra_metrics(extras)}
     return {"token_level_scores": place_at_last_token(scores, batch["response_mask"])}, metrics
+
+
+@graph_check
+def _reward_fn_resolves(graph):
+    """A misspelled name or an import path that does not import fails at validate time, not at step 1."""
+    for name, node in graph.nodes.items():
+        if node.op_name != "reward.rule" or node.params is None:
+            continue
+        try:
+            resolve_reward_fn(node.params.fn)
+        except ValueError as err:  # RewardFnError is a ValueError
+            yield ParameterError(str(err), node=name, field="fn", location=graph.locate("nodes", name, "fn"),
+                                 fix="fix the name or the import path (the module's directory must be importable)")
 
 
 @operator(

@@ -22,7 +22,8 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from flowrl.graph import role_kind
-from operators.models import OptimConfig, build_optimizer, clip_grad_norm, load_model
+from operators.models import (ModelLoadError, OptimConfig, build_optimizer, check_model_spec, clip_grad_norm,
+                              load_model)
 from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
 from operators.rewards import RewardModelScorer
 
@@ -38,10 +39,15 @@ class RolloutConfig(BaseModel):
 
 
 def check_model_path(spec: str) -> str:
-    """``builtin:*`` or an existing local directory — checked with the graph, before any worker starts."""
+    """``builtin:*`` or a local model directory whose config loads — checked with the graph, before
+    any worker starts."""
     if not spec.startswith("builtin:") and not Path(spec).is_dir():
         raise ValueError(f"no model directory {spec!r}: pass 'builtin:tiny' or the path of a local "
                          f"Hugging Face model directory (nothing is downloaded)")
+    try:
+        check_model_spec(spec)
+    except ModelLoadError as err:
+        raise ValueError(str(err)) from None
     return spec
 
 

@@ -20,7 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from flowrl.data import DataProto
 from flowrl.graph import source
-from operators.data import PromptLoader, load_dataset
+from flowrl.graph.checks import DataSourceError, graph_check
+from operators.data import DatasetError, PromptLoader, inspect_file, load_dataset
 from operators.models import load_tokenizer
 
 PROMPT_FIELDS = {
@@ -55,6 +56,20 @@ class PromptSourceConfig(BaseModel):
             raise ValueError(f"no such dataset file {v!r}: give a .parquet or .jsonl file in verl's schema, "
                              f"or builtin:<task>")
         return v
+
+
+@graph_check
+def _dataset_files_open(graph):
+    """A dataset file that does not open, has no rows or lacks a column fails at validate time."""
+    data = graph.config.data
+    for key, spec in (("source", data.source), ("val_source", data.settings.get("val_source"))):
+        if isinstance(spec, str) and not spec.startswith("builtin:") and Path(spec).is_file():
+            try:
+                inspect_file(spec)
+            except (DatasetError, OSError) as err:
+                yield DataSourceError(str(err), location=graph.locate("data", key),
+                                      fix="convert the file to verl's schema (prompt, data_source, "
+                                          "reward_model.ground_truth, extra_info)")
 
 
 class PromptSource:

@@ -24,7 +24,6 @@ from flowrl.graph import (
     ResourceError,
     RoleError,
     RoleWithoutPoolError,
-    SchemaError,
     UnknownOperatorError,
     UnusedOutputWarning,
     graph,

@@ -140,7 +140,7 @@ def test_operator_exception_names_node_step_worker_and_traceback(backend, tmp_pa
     with pytest.raises(NodeError) as exc:
         list(rt.run(batches(4), steps=1))
     msg = str(exc.value)
-    assert "node 'fault' failed at step 0" in msg and "critic[0]" in msg
+    assert "node 'fault' failed at step 1" in msg and "critic[0]" in msg
     assert "ValueError: the reward server returned garbage" in msg
     assert "remote traceback" in msg and "graph_ops.py" in msg
     rt.close()
@@ -281,7 +281,7 @@ def test_a_source_batch_unlike_its_declared_columns_fails_naming_them():
     with Runtime(g, backend="local", resources=BIG) as rt:
         with pytest.raises(DataSourceMismatch) as exc:
             rt.run_step(bad)
-    assert "step 0" in str(exc.value) and "prompts: dtype float32, expected int64" in str(exc.value)
+    assert "step 1" in str(exc.value) and "prompts: dtype float32, expected int64" in str(exc.value)
 
 
 def test_an_operator_returning_the_wrong_number_of_rows_fails_naming_node_and_counts(tmp_path):

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -58,7 +57,7 @@ def test_nan_reward_stops_at_the_node_and_keeps_the_last_good_checkpoint(tmp_pat
     with pytest.raises(NodeError) as exc:
         Trainer(bad, backend="local", steps=3, out=tmp_path, say=lambda m: None).run()
     msg = str(exc.value)
-    assert "node 'reward' failed at step 1" in msg and "non-finite values in token_level_scores" in msg
+    assert "node 'reward' failed at step 2" in msg and "non-finite values in token_level_scores" in msg
     saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert saved == ["step_00000001"]  # the good step, nothing after it
     rows = (tmp_path / "metrics.jsonl").read_text().splitlines()

@@ -38,7 +38,11 @@ SHOWN = (
 SPARKS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: list[float], width: int = 24) -> str:
+#: values a sparkline shows
+SPARK_POINTS = 24
+
+
+def sparkline(values: list[float], width: int = SPARK_POINTS) -> str:
     """``▁▃▅█``-style trend of the last ``width`` values (flat when constant)."""
     vals = [v for v in values[-width:] if v == v]  # drop NaN
     if not vals:
@@ -110,7 +114,10 @@ class LiveView:
         """A finished step's metrics."""
         self.last_row = row
         for k, v in row.items():
-            self.history.setdefault(k, []).append(v)
+            values = self.history.setdefault(k, [])
+            values.append(v)
+            if len(values) > 4 * SPARK_POINTS:  # only the sparkline's points are shown: memory stays flat
+                del values[:-SPARK_POINTS]
         for node in self.graph.nodes:
             if f"timing/{node}" in row:
                 self.durations[node] = row[f"timing/{node}"]

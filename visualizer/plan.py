@@ -131,8 +131,11 @@ def render_gantt(plan: Plan, sim: Simulation, colors: dict[str, str], width: int
     bar_w = max(20, width - label_w - 2)
     scale = bar_w / sim.makespan if sim.makespan > 0 else 1.0
     basis = "measured seconds" if sim.measured else "declared costs"
-    out = Text(f"predicted timeline ({basis}): makespan {sim.makespan:.2f}, lower bound "
-               f"{sim.lower_bound:.2f}, efficiency {sim.efficiency:.2f}\n", style="bold")
+    # declared costs are relative (a node of cost 1 takes one unit); measured ones are seconds
+    unit = " s" if sim.measured else " cost units"
+    out = Text(f"predicted timeline ({basis}): makespan {sim.makespan:.2f}{unit}, lower bound "
+               f"{sim.lower_bound:.2f}{unit}, efficiency {sim.efficiency:.2f} (lower bound / makespan)\n",
+               style="bold")
     for pool, keys in plan.pool_order.items():
         lane = [" "] * bar_w
         for k in keys:

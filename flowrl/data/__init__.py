@@ -14,35 +14,40 @@ Example::
     []
 """
 
-from flowrl.data.columns import (
-    DataProtoError,
-    list_of_dict_to_dict_of_list,
-    union_numpy_dict,
-    union_tensor_dict,
-)
-from flowrl.data.fields import Field, FieldSpecError, field
-from flowrl.data.future import DataProtoFuture, resolve
-from flowrl.data.proto import DataProto, collate_fn
-from flowrl.data.serialize import (
-    deserialize_single_tensor,
-    deserialize_tensordict,
-    get_readonly_policy,
-    readonly_policy,
-    serialize_single_tensor,
-    serialize_tensordict,
-    set_readonly_policy,
-)
-from flowrl.data.verl_compat import (
-    AUTO_PADDING_KEY,
-    PADDING_SIZE_KEY,
-    DataProtoConfig,
-    DataProtoItem,
-    fold_batch_dim,
-    get_tensordict,
-    pad_dataproto_to_divisor,
-    unfold_batch_dim,
-    unpad_dataproto,
-)
+from flowrl.data.lazy import lazy_exports
+
+#: where each public name lives, imported on first use: the graph layer needs only
+#: ``flowrl.data.fields``, so loading and checking a graph does not import torch or tensordict
+_HOME = {
+    "DataProtoError": "flowrl.data.columns",
+    "list_of_dict_to_dict_of_list": "flowrl.data.columns",
+    "union_numpy_dict": "flowrl.data.columns",
+    "union_tensor_dict": "flowrl.data.columns",
+    "Field": "flowrl.data.fields",
+    "FieldSpecError": "flowrl.data.fields",
+    "field": "flowrl.data.fields",
+    "DataProtoFuture": "flowrl.data.future",
+    "resolve": "flowrl.data.future",
+    "DataProto": "flowrl.data.proto",
+    "collate_fn": "flowrl.data.proto",
+    "deserialize_single_tensor": "flowrl.data.serialize",
+    "deserialize_tensordict": "flowrl.data.serialize",
+    "get_readonly_policy": "flowrl.data.serialize",
+    "readonly_policy": "flowrl.data.serialize",
+    "serialize_single_tensor": "flowrl.data.serialize",
+    "serialize_tensordict": "flowrl.data.serialize",
+    "set_readonly_policy": "flowrl.data.serialize",
+    "AUTO_PADDING_KEY": "flowrl.data.verl_compat",
+    "PADDING_SIZE_KEY": "flowrl.data.verl_compat",
+    "DataProtoConfig": "flowrl.data.verl_compat",
+    "DataProtoItem": "flowrl.data.verl_compat",
+    "fold_batch_dim": "flowrl.data.verl_compat",
+    "get_tensordict": "flowrl.data.verl_compat",
+    "pad_dataproto_to_divisor": "flowrl.data.verl_compat",
+    "unfold_batch_dim": "flowrl.data.verl_compat",
+    "unpad_dataproto": "flowrl.data.verl_compat",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
 __all__ = [
     "AUTO_PADDING_KEY",

@@ -18,7 +18,7 @@ from __future__ import annotations
 import difflib
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import networkx as nx
 
@@ -107,6 +107,9 @@ def check(graph: Graph, resources: dict[str, float] | None = None) -> Report:
     _check_roles(graph, add)
     _check_pools(graph, add, resources if resources is not None else local_resources())
     _check_unused(graph, add)
+    _check_run_settings(graph, add)
+    _run_declared_checks(graph, add)
+    _collapse_cascades(report)
     report.problems.sort(key=lambda p: p.severity != "error")
     return report
 
@@ -285,10 +288,97 @@ def _check_unused(graph: Graph, add) -> None:
                 ))
 
 
+# ---------------------------------------------------------------- what the run would reject
+#: validate-time checks declared by operator packages (:func:`graph_check`)
+GRAPH_CHECKS: list[Callable[[Graph], Iterable[GraphProblem]]] = []
+
+
+def graph_check(fn: Callable[[Graph], Iterable[GraphProblem]]) -> Callable[[Graph], Iterable[GraphProblem]]:
+    """Declare a check that :func:`check` (so ``flowrl validate``) runs on every built graph.
+
+    A package uses it for what only it knows and the run would otherwise reject
+    late: a reward function that does not import, a dataset without a column its
+    consumers need, a model directory without ``config.json``. The check gets the
+    graph and yields problems; it must be cheap and start nothing.
+
+    Example::
+
+        @graph_check
+        def _reward_fn_imports(graph):
+            for name, node in graph.nodes.items():
+                if node.op_name == "reward.rule" and not importable(node.params.fn):
+                    yield ParameterError(..., node=name, field="fn",
+                                         location=graph.locate("nodes", name, "fn"))
+    """
+    GRAPH_CHECKS.append(fn)
+    return fn
+
+
+def _run_declared_checks(graph: Graph, add) -> None:
+    for fn in GRAPH_CHECKS:
+        try:
+            for problem in fn(graph):
+                add(problem)
+        except Exception as e:  # noqa: BLE001 - a broken check is reported, never a traceback
+            add(SchemaError(f"the check {fn.__module__}.{fn.__name__} failed: {type(e).__name__}: {e}",
+                            fix="report this as a bug of the package that declares the check"))
+
+
+def _check_run_settings(graph: Graph, add) -> None:
+    """Keys whose meaning depends on the graph: staleness per role, validation."""
+    staleness = graph.config.schedule.staleness
+    if isinstance(staleness, dict):
+        updated = sorted({node.role for node in graph.nodes.values() if node.updates_role and node.role})
+        for role in staleness:
+            if role not in updated:
+                near = difflib.get_close_matches(role, updated, n=1, cutoff=0.5)
+                what = "is not a role" if role not in graph.config.roles else "is never updated by a node"
+                add(SchemaError(
+                    f"schedule.staleness names {role!r}, which {what}: its bound would be ignored",
+                    location=graph.locate("schedule", "staleness", role),
+                    fix=(f"did you mean {near[0]!r}? " if near else "")
+                    + f"staleness is keyed by updated roles: {', '.join(updated) or '(none in this graph)'}",
+                ))
+    if graph.config.trainer.val_every and "token_level_scores" not in graph.producers():
+        add(SchemaError(
+            "trainer.val_every asks for validation, but no node scores responses (produces token_level_scores)",
+            location=graph.locate("trainer", "val_every"),
+            fix="add a reward node, or set trainer.val_every: 0",
+        ))
+
+
+def _collapse_cascades(report: Report) -> None:
+    """List errors caused by an earlier one under it, instead of as new errors with wrong fixes.
+
+    A data source that does not resolve provides no fields, so every node reading a
+    prompt column would report a missing producer: those become one line under the
+    data-source error.
+    """
+    graph = report.graph
+    if graph is None or graph.source_fields:
+        return
+    causes = [p for p in report.problems if isinstance(p, DataSourceError)
+              or (isinstance(p, ParameterError) and p.message.startswith("data: "))]
+    if not causes:
+        return
+    follow = [p for p in report.problems if isinstance(p, MissingProducerError)
+              and "did you mean" not in p.fix]
+    if not follow:
+        return
+    for p in follow:
+        report.problems.remove(p)
+    fields = sorted({p.field for p in follow if p.field})
+    nodes = sorted({p.node for p in follow if p.node})
+    cause = causes[0]
+    cause.message += (f" (so the data source provides no fields: {len(follow)} inputs of "
+                      f"{', '.join(nodes)} have no producer: {', '.join(fields)})")
+    cause.args = (str(cause),)
+
+
 __all__: list[Any] = [
     "GraphProblem", "SchemaError", "CycleError", "MissingProducerError",
     "DuplicateProducerError", "FieldTypeError", "UnknownOperatorError", "ParameterError", "RoleError",
     "RoleWithoutPoolError", "PoolError", "ResourceError", "DataSourceError", "UnusedOutputWarning",
     "UnresolvedInputWarning",
-    "Report", "GraphError", "check", "local_resources",
+    "Report", "GraphError", "check", "local_resources", "graph_check", "GRAPH_CHECKS",
 ]

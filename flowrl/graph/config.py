@@ -170,6 +170,15 @@ class GraphConfig(_Strict):
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, v: str) -> str:
+        # the name becomes the default run directory runs/<name>: it must not climb out of runs/
+        if not v or v in (".", "..") or "/" in v or "\\" in v or v.startswith(".") or v.strip() != v:
+            raise ValueError("a graph name is one plain word (letters, digits, '-', '_', '.'), not a path; "
+                             "set where the run writes with trainer.out or --out")
+        return v
+
     @model_validator(mode="after")
     def _has_nodes(self) -> "GraphConfig":
         if not self.nodes:

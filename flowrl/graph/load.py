@@ -15,6 +15,8 @@ Example::
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +54,7 @@ def load_graph(ref: str | Path, overrides: dict[str, Any] | None = None) -> Grap
     if path.suffix in (".yaml", ".yml"):
         return load_yaml(path, overrides)
     if path.suffix == ".py" or (":" in ref_s and not path.exists()):
-        return load_python(ref_s)
+        return load_python(ref_s, overrides)
     if not path.exists() and ref_s in builtin_graphs():
         return load_yaml(builtin_graphs()[ref_s], overrides)
     names = ", ".join(builtin_graphs()) or "(none found)"
@@ -69,7 +71,14 @@ def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> Grap
     if not path.is_file():
         raise GraphError([GraphSyntaxError(f"no such file: {shown}", location=Location(shown),
                                            fix="check the path")])
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise GraphError([GraphSyntaxError(f"{shown} is not a text file (not UTF-8)", location=Location(shown),
+                                           fix="give a YAML graph file")]) from None
+    except OSError as e:
+        raise GraphError([GraphSyntaxError(f"cannot read {shown}: {e.strerror or e}", location=Location(shown),
+                                           fix="check the path and its permissions")]) from None
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
@@ -86,17 +95,41 @@ def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> Grap
         raise GraphError([SchemaError("a graph file must be a mapping with name, roles, pools, data, nodes, ...",
                                       location=Location(shown, 1))])
     lines = _line_index(node)
-    for key, value in (overrides or {}).items():
-        set_dotted(data, key, value)
-    try:
-        config = GraphConfig.model_validate(data)
-    except ValidationError as e:
-        raise GraphError(schema_problems(e, lines, shown)) from None
+    config = _validated(data, overrides, lines, shown)
+    importable(path.resolve().parent)
     return Graph.from_config(config, source_file=shown, lines=lines)
 
 
-def load_python(ref: str) -> Graph:
-    """The :class:`Graph` a Python file or module defines (``file.py`` or ``file.py:name``)."""
+def _validated(data: dict[str, Any], overrides: dict[str, Any] | None, lines: dict[tuple[Any, ...], int],
+               shown: str) -> GraphConfig:
+    """``data`` with ``--set`` overrides applied, validated (problems name the file, line and key)."""
+    problems: list[GraphProblem] = []
+    for key, value in (overrides or {}).items():
+        try:
+            set_dotted(data, key, value)
+        except KeyError as e:
+            problems.append(SchemaError(f"--set {key}={value!r}: {e.args[0]}", location=Location(shown),
+                                        fix="override a key inside a section (path.to.key=value)"))
+    if problems:
+        raise GraphError(problems)
+    try:
+        return GraphConfig.model_validate(data)
+    except ValidationError as e:
+        raise GraphError(schema_problems(e, lines, shown)) from None
+
+
+def importable(directory: Path) -> None:
+    """Let ``op: mymod:fn`` find ``mymod.py`` next to the graph file, here and in workers started later."""
+    entry = str(directory)
+    if entry not in sys.path:
+        sys.path.append(entry)  # appended: a user's file never shadows an installed package
+        parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        os.environ["PYTHONPATH"] = os.pathsep.join([*parts, entry])
+
+
+def load_python(ref: str, overrides: dict[str, Any] | None = None) -> Graph:
+    """The :class:`Graph` a Python file or module defines (``file.py`` or ``file.py:name``),
+    with ``overrides`` (``--set``) applied to its config."""
     mod_ref, _, attr = ref.partition(":") if not ref.endswith(".py") else (ref, "", "")
     try:
         module = load_module(mod_ref)
@@ -105,6 +138,14 @@ def load_python(ref: str) -> Graph:
     except SyntaxError as e:
         raise GraphError([GraphSyntaxError(f"Python syntax error: {e.msg}",
                                            location=Location(e.filename, e.lineno))]) from None
+    graph = _python_graph(module, mod_ref, attr, ref)
+    if not overrides:
+        return graph
+    config = _validated(graph.config.dump(), overrides, {}, mod_ref)
+    return Graph.from_config(config, source_file=graph.source_file)
+
+
+def _python_graph(module: Any, mod_ref: str, attr: str, ref: str) -> Graph:
     if attr:
         obj = getattr(module, attr, None)
         if not isinstance(obj, Graph):

@@ -107,6 +107,12 @@ def load_module(name: str) -> Any:
         sys.modules[mod_name] = module
         try:
             spec.loader.exec_module(module)
+        except SyntaxError:
+            del sys.modules[mod_name]
+            raise
+        except Exception as e:
+            del sys.modules[mod_name]
+            raise ImportPathError(f"running {path} raised {type(e).__name__}: {e}") from e
         except BaseException:
             del sys.modules[mod_name]
             raise
@@ -115,6 +121,10 @@ def load_module(name: str) -> Any:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
         raise ImportPathError(f"cannot import module {name!r}: {e}") from e
+    except SyntaxError:
+        raise
+    except Exception as e:  # the user's module itself failed: say which, and what it raised
+        raise ImportPathError(f"importing module {name!r} raised {type(e).__name__}: {e}") from e
 
 
 class Registry:

@@ -261,14 +261,37 @@ class RayBackend(Backend):
         self.pids: dict[tuple[str, int], int] = {}
 
     def _init_ray(self) -> Any:
+        """Join ``address`` (or ``RAY_ADDRESS``), else start a local Ray listening on 127.0.0.1 only.
+
+        An unauthenticated Ray runs code for whoever reaches it, so the local one is
+        closed to the network unless ``FLOWRL_RAY_LISTEN_ALL=1`` (``flowrl run
+        --ray-listen-all``) opens it.
+        """
+        address = self.address or os.environ.get("RAY_ADDRESS") or None
+        loopback = not address and os.environ.get("FLOWRL_RAY_LISTEN_ALL", "") not in ("1", "true", "yes")
+        if loopback:
+            # Ray binds every server to its node address and takes 127.0.0.1 as that address
+            # only with its single-machine switch; set before Ray reads it (here and in the
+            # processes ray.init starts) — _node_ip_address="127.0.0.1" is rewritten to the LAN IP
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
 
         if not ray.is_initialized():
+            if loopback:
+                from ray._private import ray_constants
+
+                ray_constants.ENABLE_RAY_CLUSTER = False
             env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
             # Ray's own start-up chatter would interleave with the run's view; errors still show
             quiet = {"logging_level": logging.ERROR, "log_to_driver": True}
-            if self.address:
-                ray.init(address=self.address, runtime_env=env, **quiet)
+            if address:
+                _reachable(address, "--address" if self.address else "RAY_ADDRESS in the environment")
+                try:
+                    ray.init(address=address, runtime_env=env, **quiet)
+                except ConnectionError as e:
+                    origin = "--address" if self.address else "RAY_ADDRESS in the environment"
+                    raise PlacementError(f"cannot join the Ray cluster at {address} ({origin}): {e}. Start it, "
+                                         f"or unset RAY_ADDRESS to run on a local Ray") from None
             else:
                 ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env, **quiet)
             self._started_ray = True
@@ -374,6 +397,21 @@ class RayBackend(Backend):
         self.groups.clear()
         if self._started_ray:
             ray.shutdown()
+
+
+def _reachable(address: str, origin: str, timeout_s: float = 5.0) -> None:
+    """Fail fast, naming ``origin``, when a ``host:port`` cluster address does not answer (Ray would retry
+    for minutes)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", ray://...: Ray resolves those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise PlacementError(f"cannot reach the Ray cluster at {address} ({origin}): {e.strerror or e}. Start "
+                             f"it, fix the address, or unset RAY_ADDRESS to run on a local Ray") from None
 
 
 def make_backend(name: str, address: str | None = None) -> Backend:

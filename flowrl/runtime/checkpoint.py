@@ -2,23 +2,31 @@
 
 A checkpoint after k completed steps is a directory ``step_<k>`` holding every worker's
 role states (``workers.pt``), weights still owed to in-flight steps
-(``weights.pt``), and ``meta.json`` (the step, the data position, the graph it
-belongs to). It is written under a temporary name and renamed into place, so a
-kill at any moment leaves either the complete new checkpoint or none — never a
-half-written one under a real name. Loading tries the newest first and falls
-back to older ones, saying why, when a file is corrupt or truncated.
+(``weights.pt``), and ``meta.json`` (the data position, the graph it belongs
+to). It is written under a temporary name and renamed into place, so a kill at
+any moment leaves either the complete new checkpoint or none — never a
+half-written one under a real name.
+
+A checkpoint holds tensors and plain data only: the ``.pt`` files are read
+with ``torch.load(weights_only=True)``, which refuses anything else (a pickled
+callable, a class) *without running it*, and ``meta.json`` is JSON. The
+directory's name, not the editable metadata, decides the step. Loading tries
+the newest first and falls back to older ones, saying why, when a file is
+corrupt, truncated, refused, or does not fit the graph.
 
 Example::
 
     store = CheckpointStore("runs/grpo/checkpoints", keep=3)
     store.save(step=49, payload=result.checkpoint, meta={"graph": graph.config.dump()})
-    payload, meta = store.load_latest(warn=print)
+    payload, meta, path = store.load_latest(warn=print)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import re
 import shutil
 from pathlib import Path
 from typing import Any, Callable
@@ -32,8 +40,16 @@ RESUMABLE_KEYS = ("steps", "out", "checkpoint_every", "keep_checkpoints", "log_e
                   "dump_rollouts", "wandb_project")
 
 
+#: a complete checkpoint's directory name; the number is the count of completed steps
+STEP_DIR = re.compile(r"step_(\d{1,12})")
+
+
 class CheckpointError(RuntimeFailure):
     """No usable checkpoint, or one that belongs to another graph."""
+
+
+class UnreadableCheckpoint(Exception):
+    """One checkpoint cannot be used (the store then tries the previous one)."""
 
 
 class CheckpointStore:
@@ -47,8 +63,9 @@ class CheckpointStore:
         """Complete checkpoints, newest first."""
         if not self.root.is_dir():
             return []
-        found = [p for p in self.root.glob("step_*") if p.is_dir() and (p / "meta.json").is_file()]
-        return sorted(found, key=lambda p: int(p.name.split("_")[1]), reverse=True)
+        found = [p for p in self.root.glob("step_*")
+                 if STEP_DIR.fullmatch(p.name) and p.is_dir() and (p / "meta.json").is_file()]
+        return sorted(found, key=steps_done, reverse=True)
 
     def save(self, step: int, payload: dict[str, Any], meta: dict[str, Any]) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -72,26 +89,76 @@ class CheckpointStore:
             shutil.rmtree(old, ignore_errors=True)
         return final
 
-    def load_latest(self, warn: Callable[[str], None] = print) -> tuple[dict[str, Any], dict[str, Any], Path]:
-        """``(payload, meta, path)`` of the newest loadable checkpoint."""
+    def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(payload, meta)`` of one checkpoint, or :class:`UnreadableCheckpoint` saying why."""
+        try:
+            meta = json.loads((path / "meta.json").read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UnreadableCheckpoint(f"meta.json is not readable JSON ({e})") from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("graph"), dict):
+            raise UnreadableCheckpoint("meta.json has no 'graph' mapping (the config the checkpoint belongs to)")
+        payload = {"step": steps_done(path) - 1, "source": meta.get("source"),
+                   "operator_state": meta.get("operator_state") or {}}
+        for key in ("workers", "weights"):
+            payload[key] = _load_tensors(path / f"{key}.pt")
+        return payload, meta
+
+    def load_latest(
+        self,
+        warn: Callable[[str], None] = print,
+        accept: Callable[[dict[str, Any], dict[str, Any], Path], None] | None = None,
+    ) -> tuple[dict[str, Any], dict[str, Any], Path]:
+        """``(payload, meta, path)`` of the newest checkpoint that loads (and that ``accept`` takes).
+
+        ``accept(payload, meta, path)`` may raise :class:`UnreadableCheckpoint`
+        (this one does not fit: try the previous one) or :class:`CheckpointError`
+        (stop: no older checkpoint will do either).
+        """
         candidates = self.complete()
         if not candidates:
             raise CheckpointError(f"no complete checkpoint in {self.root}; nothing to resume "
-                                  f"(set trainer.checkpoint_every to write them)")
+                                  f"(checkpoints are written every trainer.checkpoint_every steps and at the "
+                                  f"end of a run; start without --resume)")
         for path in candidates:
             try:
-                meta = json.loads((path / "meta.json").read_text())
-                payload = {
-                    "step": meta["step"],
-                    "workers": torch.load(path / "workers.pt", weights_only=False),
-                    "weights": torch.load(path / "weights.pt", weights_only=False),
-                    "source": meta.get("source"),
-                    "operator_state": meta.get("operator_state", {}),
-                }
+                payload, meta = self.load(path)
+                if accept is not None:
+                    accept(payload, meta, path)
                 return payload, meta, path
-            except Exception as e:  # noqa: BLE001 - any unreadable file means: try the previous one
-                warn(f"checkpoint {path} is unreadable ({type(e).__name__}: {e}); falling back to an older one")
-        raise CheckpointError(f"every checkpoint in {self.root} is unreadable; see the messages above")
+            except UnreadableCheckpoint as e:
+                warn(f"checkpoint {path} is unreadable ({e}); falling back to an older one")
+        raise CheckpointError(f"every checkpoint in {self.root} is unreadable; see the messages above. "
+                              f"Start again with --overwrite, or in a new run directory (--out)")
+
+
+def steps_done(path: Path) -> int:
+    """The number of completed steps a checkpoint directory holds, from its name (``step_00000100`` → 100)."""
+    m = STEP_DIR.fullmatch(path.name)
+    if m is None:
+        raise UnreadableCheckpoint(f"{path.name!r} is not a checkpoint directory name (step_<completed steps>)")
+    return int(m.group(1))
+
+
+def _load_tensors(path: Path) -> Any:
+    """Tensors and plain containers from ``path``; anything else is refused before it runs."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "unpickling failed"
+        if "weights_only" in str(e) or "Unsupported global" in str(e) or "GLOBAL" in str(e):
+            raise UnreadableCheckpoint(
+                f"{path.name} holds something other than tensors and plain data, refused without loading it "
+                f"({_unsupported_global(str(e)) or 'not a weights-only file'}); flowrl never runs code from a checkpoint"
+            ) from None
+        raise UnreadableCheckpoint(f"{path.name}: {first}") from None
+    except Exception as e:  # noqa: BLE001 - truncated, empty, not a torch file at all: all mean "unusable"
+        text = str(e).strip().splitlines()
+        raise UnreadableCheckpoint(f"{path.name}: {type(e).__name__}: {text[0] if text else ''}") from None
+
+
+def _unsupported_global(text: str) -> str | None:
+    m = re.search(r"GLOBAL ([\w.]+)", text)
+    return f"it names {m.group(1)}" if m else None
 
 
 def fingerprint(config_dump: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,9 @@ class NodeError(RuntimeFailure):
     def __init__(self, node: str, step: int, mb: int | None, worker: str, cause: str, traceback: str = ""):
         self.node, self.step, self.mb, self.worker, self.cause, self.traceback = node, step, mb, worker, cause, traceback
         mb_s = f", micro-batch {mb}" if mb is not None else ""
-        msg = f"node {node!r} failed at step {step}{mb_s} on {worker}: {cause}"
+        # ``step`` is 0-based inside; a person reads steps as the metrics count them, from 1
+        when = f"at step {step + 1}" if step >= 0 else "while starting"
+        msg = f"node {node!r} failed {when}{mb_s} on {worker}: {cause}"
         if traceback:
             msg += "\n--- remote traceback ---\n" + traceback.rstrip()
         super().__init__(msg)

@@ -207,7 +207,7 @@ class Runtime:
     def _submit_step(self, t: int, batch: DataProto, graph: Graph, plan: Plan, prefix: str = "") -> _Step:
         problems = batch.check_fields(graph.source_fields)
         if problems:
-            raise DataSourceMismatch(f"step {t}: the data source's batch does not match the columns it declares: "
+            raise DataSourceMismatch(f"step {t + 1}: the data source's batch does not match the columns it declares: "
                                      + "; ".join(problems))
         st = _Step(t, time.time(), graph, plan, prefix, src=self.backend.put(batch))
         for key in plan.order:
@@ -298,8 +298,8 @@ class Runtime:
         node = key[0] if key else "(weight sync)"
         where = self.backend.worker_label(pool, rank)
         if death:
-            return WorkerDiedError(f"worker {where} died while running node {node!r} at step {step}: {death}")
-        return RuntimeFailure(f"node {node!r} at step {step} on {where} failed: {type(exc).__name__}: {exc}")
+            return WorkerDiedError(f"worker {where} died while running node {node!r} at step {step + 1}: {death}")
+        return RuntimeFailure(f"node {node!r} at step {step + 1} on {where} failed: {type(exc).__name__}: {exc}")
 
     def _collect(self, st: _Step) -> DataProto:
         """The fetched fields of a step, at the finest row space among them

@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 
 from flowrl.runtime.worker import Info
@@ -17,7 +18,11 @@ class Timeline:
     """All task records of a run, in arrival order."""
 
     def __init__(self) -> None:
-        self.records: list[Info] = []
+        self.records: list[Info] | deque[Info] = []
+
+    def keep_last(self, n: int) -> None:
+        """Keep only the newest ``n`` records (a long run without a trace: the driver's memory stays flat)."""
+        self.records = deque(self.records, maxlen=n)
 
     def add(self, info: Info) -> None:
         self.records.append(info)

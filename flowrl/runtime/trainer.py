@@ -4,10 +4,15 @@ Each step's metrics go to ``<out>/metrics.jsonl`` (one JSON object per line,
 ``step`` included) and to a callback (the CLI prints them). The resolved graph
 config is written to ``<out>/config.yaml`` before the first step.
 
-Every ``trainer.checkpoint_every`` steps, at the end, and on a graceful stop
-(Ctrl-C: the steps in flight finish, then it saves), a checkpoint goes to
+Every ``trainer.checkpoint_every`` steps, at the end of every run, and on a
+graceful stop (Ctrl-C or SIGTERM: the steps in flight finish, then it saves
+and the CLI exits 130 or 143; a second signal aborts), a checkpoint goes to
 ``<out>/checkpoints``. ``resume=True`` continues from the newest loadable one:
 N uninterrupted steps and k steps + resume + N−k steps give the same metrics.
+
+The run directory has one owner (:mod:`flowrl.runtime.rundir`): a second run
+on it is refused, and a fresh run refuses another run's state unless
+``resume`` or ``overwrite``.
 
 Example::
 
@@ -28,10 +33,16 @@ from typing import Any, Callable
 import yaml
 
 from flowrl.graph import REGISTRY, Graph
-from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore, differences, fingerprint
+from flowrl.runtime.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
+                                       fingerprint)
+from flowrl.runtime.rundir import RunDirectory
 from flowrl.runtime.scheduler import Runtime, StepResult
-from flowrl.runtime.sinks import open_sinks
+from flowrl.runtime.sinks import open_sinks, read_metrics
 from flowrl.runtime.validation import validation_graph
+
+#: task records kept in the driver when no trace is written (a few steps' worth: memory stays flat)
+TIMELINE_RECORDS = 1_000
+
 
 class Trainer:
     """Runs a graph for a number of steps and records what happened."""
@@ -49,6 +60,8 @@ class Trainer:
         resume: bool = False,
         say: Callable[[str], None] = print,
         on_progress: Callable[[int, dict[str, str]], None] | None = None,
+        overwrite: bool = False,
+        history_limit: int | None = None,
     ) -> None:
         self.graph = graph
         cfg = graph.config
@@ -72,7 +85,12 @@ class Trainer:
         self.val_source = (spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles, split="val")
                            if self.val_graph is not None else None)
         self.history: list[dict[str, float]] = []
-        self.resume, self.say = resume, say
+        self.history_limit = history_limit
+        if self.trace is None:
+            self.runtime.timeline.keep_last(TIMELINE_RECORDS)
+        self.resume, self.say, self.overwrite = resume, say, overwrite
+        #: the signal that stopped the run gracefully (``signal.SIGINT`` or ``signal.SIGTERM``), if any
+        self.stop_signal: int | None = None
         self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.stopped = False
         self._last_end: float | None = None
@@ -80,21 +98,34 @@ class Trainer:
         self.samples_per_step = cfg.data.batch_size * max(sp.factor for sp in self.runtime.plan.spaces.values())
 
     def run(self) -> list[dict[str, float]]:
+        """Run the steps (resuming first when asked) and return the metrics rows of this run."""
+        with RunDirectory(self.out, say=self.say) as rundir:
+            rundir.claim(resume=self.resume, overwrite=self.overwrite)
+            try:
+                return self._run()
+            finally:
+                if self.trace is not None:
+                    self.runtime.timeline.to_chrome_trace(self.trace)
+                self.runtime.close()
+
+    def _run(self) -> list[dict[str, float]]:
         cfg = self.graph.config
         start_step = self._resume() if self.resume else 0
-        self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
         every, val_every = cfg.trainer.checkpoint_every, cfg.trainer.val_every
         last = self.steps - 1
+        self.runtime.start()  # ray.init installs a SIGTERM handler of its own: ours go in after it
         start = time.time()
-        restore_sigint = self._install_sigint()
+        restore_signals = self._install_signals()
         done = start_step - 1
+        saved = start_step - 1
         try:
             sinks = open_sinks(self.out, cfg.trainer.wandb_project, run_name=cfg.name, config=cfg.dump())
             try:
                 results = self.runtime.run(
                     self.source, steps=self.steps - start_step, start_step=start_step,
-                    checkpoint=lambda t: bool(every) and ((t + 1) % every == 0 or t == last),
+                    # a run always ends with a checkpoint, so it always leaves a model
+                    checkpoint=lambda t: (bool(every) and (t + 1) % every == 0) or t == last,
                     validate=lambda t: bool(val_every) and ((t + 1) % val_every == 0 or t == last),
                     val_batches=self.val_source)
                 for result in results:
@@ -102,47 +133,70 @@ class Trainer:
                     sinks.write(row["step"], row)
                     if result.data is not None:
                         self._dump(result)
-                    self.history.append(row)
+                    self._remember(row)
                     done = result.step
                     if result.checkpoint is not None:
+                        sinks.sync()  # metrics on disk before the checkpoint that continues after them
                         self._save(result.step, result.checkpoint)
+                        saved = result.step
                     if self.on_step is not None:
                         self.on_step(result.step, row)
+                if self.stopped and done > saved:
+                    sinks.sync()
+                    self._save(done, self.runtime.snapshot_now(done, self.source))
             finally:
                 sinks.close()
-            if self.stopped and done >= start_step:
-                self._save(done, self.runtime.snapshot_now(done, self.source))
+            if self.stopped:
                 self.say(f"stopped after step {done + 1}; checkpoint saved, continue with --resume")
         finally:
-            restore_sigint()
-            if self.trace is not None:
-                self.runtime.timeline.to_chrome_trace(self.trace)
-            self.runtime.close()
+            restore_signals()
         return self.history
+
+    def _remember(self, row: dict[str, Any]) -> None:
+        """Keep the run's rows for the caller, up to ``history_limit`` (the driver's memory stays flat)."""
+        self.history.append(row)
+        if self.history_limit is not None and len(self.history) > self.history_limit:
+            del self.history[: len(self.history) - self.history_limit]
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, step: int, payload: dict[str, Any]) -> None:
         meta = {"graph": fingerprint(self.graph.config.dump()), "name": self.graph.name,
                 "saved_at": time.time()}
-        path = self.store.save(step, payload, meta)
+        try:
+            path = self.store.save(step, payload, meta)
+        except OSError as e:
+            raise CheckpointError(
+                f"could not save the checkpoint of step {step + 1} in {self.store.root}: "
+                f"{e.strerror or e} (free disk space, or point --out at another disk; the previous "
+                f"checkpoint is intact)") from None
         self.say(f"checkpoint: {path}")
 
     def _resume(self) -> int:
-        payload, meta, path = self.store.load_latest(warn=self.say)
-        diff = differences(meta["graph"], fingerprint(self.graph.config.dump()))
-        if diff:
-            raise CheckpointError(
-                f"checkpoint {path} belongs to a different graph or config; it differs in: "
-                + "; ".join(diff[:10]) + ("; ..." if len(diff) > 10 else "")
-                + ". Resume with the graph it was written by, or start a new run directory (--out)."
-            )
-        step = int(payload["step"])
-        if step + 1 >= self.steps:
-            raise CheckpointError(f"checkpoint {path} is at step {step + 1} of {self.steps}: nothing left to run "
-                                  f"(raise --steps)")
-        self.runtime.restore(payload)
-        if payload["source"] is not None:
-            self.source.load_state_dict(payload["source"])
+        mine = fingerprint(self.graph.config.dump())
+
+        def accept(payload: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
+            diff = differences(meta["graph"], mine)
+            if diff:
+                raise CheckpointError(
+                    f"checkpoint {path} belongs to a different graph or config; it differs in: "
+                    + "; ".join(diff[:10]) + ("; ..." if len(diff) > 10 else "")
+                    + ". Resume with the graph it was written by, or start a new run directory (--out)."
+                )
+            step = payload["step"]
+            if step + 1 >= self.steps:
+                raise CheckpointError(f"checkpoint {path} is at step {step + 1} of {self.steps}: nothing left "
+                                      f"to run (raise --steps)")
+            try:
+                self.runtime.restore(payload)
+                if payload["source"] is not None:
+                    self.source.load_state_dict(payload["source"])
+            except Exception as e:  # noqa: BLE001 - a tensor of the wrong shape, a missing key: try the previous one
+                text = str(e).strip().splitlines()
+                raise UnreadableCheckpoint(f"it does not fit the graph's roles: {type(e).__name__}: "
+                                           f"{text[0] if text else ''}") from None
+
+        payload, meta, path = self.store.load_latest(warn=self.say, accept=accept)
+        step = payload["step"]
         self._truncate_metrics(step + 1)
         self.say(f"resuming from {path} at step {step + 2}")
         return step + 1
@@ -175,32 +229,40 @@ class Trainer:
                 f.write(json.dumps(row) + "\n")
 
     def _truncate_metrics(self, keep_through: int) -> None:
-        """Drop metric rows written after the checkpoint: those steps run again, identically."""
+        """Drop metric rows written after the checkpoint (those steps run again, identically), and nothing else."""
         path = self.out / "metrics.jsonl"
         if not path.is_file():
             return
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= keep_through]
+        kept = [line for line, row in read_metrics(path, warn=self.say) if row.get("step", 0) <= keep_through]
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(path)
 
-    def _install_sigint(self) -> Callable[[], None]:
-        """First Ctrl-C: finish the steps in flight, save, stop. A second one interrupts."""
+    def _install_signals(self) -> Callable[[], None]:
+        """First Ctrl-C or SIGTERM: finish the steps in flight, save, stop. A second one aborts."""
         if threading.current_thread() is not threading.main_thread():
             return lambda: None
-        previous = signal.getsignal(signal.SIGINT)
+        previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
         def handler(signum: int, frame: Any) -> None:
             if self.stopped:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+                for sig in previous:
+                    signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
                 raise KeyboardInterrupt
             self.stopped = True
+            self.stop_signal = signum
             self.runtime.request_stop()
-            self.say("stopping: finishing the steps in flight, then saving a checkpoint (Ctrl-C again to abort)")
+            name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            self.say(f"{name}: finishing the steps in flight, then saving a checkpoint (again to abort)")
 
-        signal.signal(signal.SIGINT, handler)
-        return lambda: signal.signal(signal.SIGINT, previous)
+        for sig in previous:
+            signal.signal(sig, handler)
+
+        def restore() -> None:
+            for sig, h in previous.items():
+                signal.signal(sig, h)
+
+        return restore
 
     def _row(self, result: StepResult, start: float) -> dict[str, Any]:
         now = time.time()

@@ -57,7 +57,7 @@ def check_timeouts(
         if now - ready > limit:
             waited = [f"{d[0]}" + (f"[{d[1]}]" if d[1] is not None else "") for d in deps]
             raise NodeTimeoutError(
-                f"node {key[0]!r} (step {step}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
+                f"node {key[0]!r} (step {step + 1}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
                 + f") has run {now - ready:.1f}s on {label(pool, rank)}, past its "
                 f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were ready and its "
                 f"worker free, so it is the operator itself that is slow or stuck"

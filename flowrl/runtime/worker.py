@@ -188,7 +188,7 @@ class Worker:
             try:
                 self.roles[rb.name] = rb.factory(rb.config, ctx)
             except Exception as e:
-                raise NodeError(f"<role {rb.name}>", 0, None, self.label,
+                raise NodeError(f"<role {rb.name}>", -1, None, self.label,
                                 f"building role {rb.name!r} ({rb.kind}) failed: {type(e).__name__}: {e}",
                                 traceback.format_exc()) from None
             self.owner[rb.name] = rb.name

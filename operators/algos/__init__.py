@@ -9,58 +9,54 @@ Example (one GRPO update, cleanrl style)::
     >>> out.pg_loss.backward()                                                             # doctest: +SKIP
 """
 
-from operators.algos.advantages import (
-    GroupStats,
-    gae_advantages,
-    gdpo_advantages,
-    gpg_advantages,
-    group_ids,
-    group_stats,
-    grpo_advantages,
-    grpo_passk_advantages,
-    opo_advantages,
-    optimal_token_baseline_advantages,
-    reinforce_pp_advantages,
-    reinforce_pp_baseline_advantages,
-    remax_advantages,
-    rloo_advantages,
-    tir_optimal_token_baseline_advantages,
-)
-from operators.algos.functional import (
-    entropy_from_logits,
-    logprobs_from_logits,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-)
-from operators.algos.kl import (
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    KLController,
-    apply_kl_penalty,
-    build_kl_controller,
-    kl_penalty,
-)
-from operators.algos.losses import (
-    AGG_MODES,
-    POLICY_LOSSES,
-    PolicyLoss,
-    PolicyLossParams,
-    agg_loss,
-    entropy_loss,
-    get_policy_loss,
-    kl_loss,
-    policy_loss,
-    register_policy_loss,
-    value_loss,
-)
-from operators.algos.rollout_correction import (
-    RolloutCorrection,
-    mismatch_metrics,
-    rollout_correction,
-)
+from flowrl.data.lazy import lazy_exports
+
+#: where each public name lives: imported on first use (the CLI loads operators without torch's weight)
+_HOME = {
+    "GroupStats": "operators.algos.advantages",
+    "gae_advantages": "operators.algos.advantages",
+    "gdpo_advantages": "operators.algos.advantages",
+    "gpg_advantages": "operators.algos.advantages",
+    "group_ids": "operators.algos.advantages",
+    "group_stats": "operators.algos.advantages",
+    "grpo_advantages": "operators.algos.advantages",
+    "grpo_passk_advantages": "operators.algos.advantages",
+    "opo_advantages": "operators.algos.advantages",
+    "optimal_token_baseline_advantages": "operators.algos.advantages",
+    "reinforce_pp_advantages": "operators.algos.advantages",
+    "reinforce_pp_baseline_advantages": "operators.algos.advantages",
+    "remax_advantages": "operators.algos.advantages",
+    "rloo_advantages": "operators.algos.advantages",
+    "tir_optimal_token_baseline_advantages": "operators.algos.advantages",
+    "entropy_from_logits": "operators.algos.functional",
+    "logprobs_from_logits": "operators.algos.functional",
+    "masked_mean": "operators.algos.functional",
+    "masked_sum": "operators.algos.functional",
+    "masked_var": "operators.algos.functional",
+    "masked_whiten": "operators.algos.functional",
+    "KL_ESTIMATORS": "operators.algos.kl",
+    "AdaptiveKLController": "operators.algos.kl",
+    "FixedKLController": "operators.algos.kl",
+    "KLController": "operators.algos.kl",
+    "apply_kl_penalty": "operators.algos.kl",
+    "build_kl_controller": "operators.algos.kl",
+    "kl_penalty": "operators.algos.kl",
+    "AGG_MODES": "operators.algos.losses",
+    "POLICY_LOSSES": "operators.algos.losses",
+    "PolicyLoss": "operators.algos.losses",
+    "PolicyLossParams": "operators.algos.losses",
+    "agg_loss": "operators.algos.losses",
+    "entropy_loss": "operators.algos.losses",
+    "get_policy_loss": "operators.algos.losses",
+    "kl_loss": "operators.algos.losses",
+    "policy_loss": "operators.algos.losses",
+    "register_policy_loss": "operators.algos.losses",
+    "value_loss": "operators.algos.losses",
+    "RolloutCorrection": "operators.algos.rollout_correction",
+    "mismatch_metrics": "operators.algos.rollout_correction",
+    "rollout_correction": "operators.algos.rollout_correction",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
 __all__ = [
     "GroupStats", "gae_advantages", "gdpo_advantages", "gpg_advantages", "group_ids", "group_stats",

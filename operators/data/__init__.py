@@ -8,17 +8,26 @@ Example::
     >>> batch = loader.next_batch()      # input_ids, attention_mask, ..., ground_truth, data_source
 """
 
-from operators.data.dataset import (
-    REQUIRED_COLUMNS,
-    DatasetError,
-    PromptDataset,
-    PromptLoader,
-    left_pad,
-    load_dataset,
-    position_ids_from_mask,
-    read_rows,
-)
-from operators.data.tasks import DEFAULT_TASK, TASKS, Task, TaskRows, get_task
+from flowrl.data.lazy import lazy_exports
+
+#: where each public name lives: imported on first use (the CLI loads operators without torch's weight)
+_HOME = {
+    "REQUIRED_COLUMNS": "operators.data.dataset",
+    "DatasetError": "operators.data.dataset",
+    "PromptDataset": "operators.data.dataset",
+    "PromptLoader": "operators.data.dataset",
+    "left_pad": "operators.data.dataset",
+    "load_dataset": "operators.data.dataset",
+    "position_ids_from_mask": "operators.data.dataset",
+    "read_rows": "operators.data.dataset",
+    "DEFAULT_TASK": "operators.data.tasks",
+    "TASKS": "operators.data.tasks",
+    "Task": "operators.data.tasks",
+    "TaskRows": "operators.data.tasks",
+    "get_task": "operators.data.tasks",
+    "inspect_file": "operators.data.dataset",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)
 from operators.data import skewed  # noqa: F401,E402  (registers builtin:skewed)
 
 __all__ = [

@@ -55,6 +55,46 @@ class DatasetError(ValueError):
     """A dataset file or row does not fit the verl schema: names the file, row and column."""
 
 
+def check_columns(path: Path, columns: list[str], n_rows: int) -> None:
+    """Raise :class:`DatasetError` unless the file has rows and every column of :data:`REQUIRED_COLUMNS`."""
+    if n_rows == 0:
+        raise DatasetError(f"{path}: the file has no rows; give a dataset with at least batch_size rows")
+    for column in REQUIRED_COLUMNS:
+        if column not in columns:
+            raise DatasetError(
+                f"{path}: missing required column {column!r} (found: {', '.join(columns) or 'none'}); "
+                f"verl-format rows need {', '.join(REQUIRED_COLUMNS)} and optionally extra_info"
+            )
+
+
+def prompt_problem(prompt: Any) -> str | None:
+    """What is wrong with a ``prompt`` value (a string, or chat messages with role and content), or None."""
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist") and not isinstance(prompt, (int, float))):
+        messages = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        if messages and all(isinstance(m, Mapping) and "content" in m and "role" in m for m in messages):
+            return None
+    return (f"'prompt' is {type(prompt).__name__} {str(prompt)[:60]!r}; give a string or a list of chat "
+            f"messages like [{{'role': 'user', 'content': '...'}}]")
+
+
+def inspect_file(path: str | Path) -> None:
+    """Check a dataset file opens and has rows and the required columns, reading as little as it can
+    (a parquet file's schema and row count; a jsonl file is read whole) — what ``flowrl validate`` runs."""
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            meta = pq.ParquetFile(path)
+        except Exception as err:  # noqa: BLE001 - pyarrow raises several kinds for a file it cannot read
+            raise DatasetError(f"{path}: not a readable parquet file ({err})") from None
+        check_columns(path, list(meta.schema_arrow.names), meta.metadata.num_rows)
+    else:
+        read_rows(path)
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a ``.parquet`` or ``.jsonl`` file as dicts, after checking the required columns.
 
@@ -83,15 +123,12 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         columns = sorted({key for row in rows for key in row})
     else:
         raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
-    for column in REQUIRED_COLUMNS:
-        if column not in columns:
-            raise DatasetError(
-                f"{path}: missing required column {column!r} (found: {', '.join(columns) or 'none'}); "
-                f"verl-format rows need {', '.join(REQUIRED_COLUMNS)} and optionally extra_info"
-            )
+    check_columns(path, columns, len(rows))
     for i, row in enumerate(rows):
         if column_missing := [c for c in REQUIRED_COLUMNS if row.get(c) is None]:
             raise DatasetError(f"{path}: row {i} has no value for column {column_missing[0]!r}")
+        if problem := prompt_problem(row["prompt"]):
+            raise DatasetError(f"{path}: row {i}: {problem}")
     return rows
 
 
@@ -163,7 +200,7 @@ class PromptDataset:
         self.row_ids: Sequence[int] = range(len(rows))
         if filter_overlong_prompts and max_prompt_length is not None:
             self.row_ids = [i for i in range(len(rows))
-                            if len(self._encode(rows[i]["prompt"])) <= max_prompt_length]
+                            if len(self._encode(rows[i]["prompt"], i)) <= max_prompt_length]
 
     @classmethod
     def from_file(cls, path: str | Path, tokenizer: PreTrainedTokenizerBase, **kwargs: Any) -> "PromptDataset":
@@ -181,18 +218,33 @@ class PromptDataset:
     def __len__(self) -> int:
         return len(self.row_ids)
 
-    def _encode(self, prompt: Any) -> list[int]:
+    def _encode(self, prompt: Any, row_id: int | None = None) -> list[int]:
+        where = f"{self.name}: row {row_id}" if row_id is not None else self.name
+        problem = prompt_problem(prompt)
+        if problem:
+            raise DatasetError(f"{where}: {problem}")
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         key = json.dumps(messages, sort_keys=True, default=str)
         if key not in self._cache:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            self._cache[key] = self.tokenizer.encode(text, add_special_tokens=False)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            unk = self.tokenizer.unk_token_id
+            if unk is not None and unk in ids:
+                # a closed vocabulary (builtin:tiny's) would silently read the word as <unk>
+                vocab = self.tokenizer.get_vocab()
+                words = sorted({w for m in messages for w in str(m.get("content", "")).split() if w not in vocab})
+                raise DatasetError(
+                    f"{where}: the prompt has words outside the tokenizer's vocabulary "
+                    f"({', '.join(repr(w) for w in words[:8]) or 'some characters'}), which would be read as "
+                    f"{self.tokenizer.unk_token}; use a tokenizer that knows them (a real model's), or prompts "
+                    f"in its vocabulary")
+            self._cache[key] = ids
         return self._cache[key]
 
     def prompt_ids(self, i: int) -> list[int]:
         """Token ids of row ``i`` (``i`` indexes the kept rows), after truncation."""
         row_id = self.row_ids[i]
-        ids = self._encode(self.rows[row_id]["prompt"])
+        ids = self._encode(self.rows[row_id]["prompt"], row_id)
         limit = self.max_prompt_length
         if limit is None or len(ids) <= limit:
             return ids

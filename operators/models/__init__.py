@@ -7,21 +7,33 @@ Example::
     >>> opt, sched = build_optimizer(policy.parameters(), {"lr": 5e-4})
 """
 
-from operators.models.loading import (
-    BUILTIN_MODELS,
-    ModelLoadError,
-    load_model,
-    load_tokenizer,
-    resolve_dtype,
-    save_model,
-)
-from operators.models.forward import response_log_probs, response_values
-from operators.models.optim import OptimConfig, build_optimizer, clip_grad_norm, lr_multiplier
-from operators.models.tiny import VOCAB, build_tiny_model, build_tiny_tokenizer, tiny_config
-from operators.models.value import ValueModel
+from flowrl.data.lazy import lazy_exports
+
+#: where each public name lives: imported on first use (the CLI loads operators without torch's weight)
+_HOME = {
+    "BUILTIN_MODELS": "operators.models.loading",
+    "ModelLoadError": "operators.models.loading",
+    "check_model_spec": "operators.models.loading",
+    "load_model": "operators.models.loading",
+    "load_tokenizer": "operators.models.loading",
+    "resolve_dtype": "operators.models.loading",
+    "save_model": "operators.models.loading",
+    "response_log_probs": "operators.models.forward",
+    "response_values": "operators.models.forward",
+    "OptimConfig": "operators.models.optim",
+    "build_optimizer": "operators.models.optim",
+    "clip_grad_norm": "operators.models.optim",
+    "lr_multiplier": "operators.models.optim",
+    "VOCAB": "operators.models.tiny",
+    "build_tiny_model": "operators.models.tiny",
+    "build_tiny_tokenizer": "operators.models.tiny",
+    "tiny_config": "operators.models.tiny",
+    "ValueModel": "operators.models.value",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
 __all__ = [
-    "BUILTIN_MODELS", "ModelLoadError", "load_model", "load_tokenizer", "resolve_dtype", "save_model",
+    "BUILTIN_MODELS", "ModelLoadError", "check_model_spec", "load_model", "load_tokenizer", "resolve_dtype", "save_model",
     "response_log_probs", "response_values",
     "OptimConfig", "build_optimizer", "clip_grad_norm", "lr_multiplier",
     "VOCAB", "build_tiny_model", "build_tiny_tokenizer", "tiny_config",

@@ -18,6 +18,7 @@ A missing or invalid directory raises :class:`ModelLoadError` naming the path:
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal, Union
 
@@ -87,6 +88,23 @@ def _check_dir(spec: str) -> Path:
             "tokenizer.save_pretrained(path)."
         )
     return path
+
+
+def check_model_spec(spec: str) -> None:
+    """Raise :class:`ModelLoadError` unless ``spec`` is a builtin model or a local Hugging Face
+    directory whose ``config.json`` loads — cheap enough for ``flowrl validate`` (no weights read)."""
+    if spec.startswith("builtin:"):
+        if spec not in BUILTIN_MODELS:
+            raise ModelLoadError(f"model {spec!r}: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}")
+        return
+    config = _check_dir(spec) / "config.json"
+    try:
+        loaded = json.loads(config.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ModelLoadError(f"model {spec!r}: {config} does not load ({err}); save the model again with "
+                             f"model.save_pretrained(path)") from None
+    if not isinstance(loaded, dict) or "model_type" not in loaded:
+        raise ModelLoadError(f"model {spec!r}: {config} has no 'model_type'; it is not a transformers model config")
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:

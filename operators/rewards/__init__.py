@@ -8,25 +8,30 @@ Example::
     >>> token_level_scores = place_at_last_token(scores, response_mask)       # doctest: +SKIP
 """
 
-from operators.rewards.reward_model import RewardModelScorer, last_token_index
-from operators.rewards.rule import (
-    exact_match_score,
-    extract_gsm8k_answer,
-    gsm8k_score,
-    partial_match_score,
-    positional_match,
-    task_token_score,
-    token_reward,
-)
-from operators.rewards.scoring import (
-    NAMED_REWARDS,
-    auto_reward_fn,
-    compute_scores,
-    extra_metrics,
-    place_at_last_token,
-    resolve_reward_fn,
-)
-from operators.rewards.user_fn import RewardFnError, load_reward_fn, split_score
+from flowrl.data.lazy import lazy_exports
+
+#: where each public name lives: imported on first use (the CLI loads operators without torch's weight)
+_HOME = {
+    "RewardModelScorer": "operators.rewards.reward_model",
+    "last_token_index": "operators.rewards.reward_model",
+    "exact_match_score": "operators.rewards.rule",
+    "extract_gsm8k_answer": "operators.rewards.rule",
+    "gsm8k_score": "operators.rewards.rule",
+    "partial_match_score": "operators.rewards.rule",
+    "positional_match": "operators.rewards.rule",
+    "task_token_score": "operators.rewards.rule",
+    "token_reward": "operators.rewards.rule",
+    "NAMED_REWARDS": "operators.rewards.scoring",
+    "auto_reward_fn": "operators.rewards.scoring",
+    "compute_scores": "operators.rewards.scoring",
+    "extra_metrics": "operators.rewards.scoring",
+    "place_at_last_token": "operators.rewards.scoring",
+    "resolve_reward_fn": "operators.rewards.scoring",
+    "RewardFnError": "operators.rewards.user_fn",
+    "load_reward_fn": "operators.rewards.user_fn",
+    "split_score": "operators.rewards.user_fn",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
 __all__ = [
     "RewardModelScorer", "last_token_index",

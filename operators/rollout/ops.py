@@ -14,7 +14,7 @@ class Generate(Params):
     max_new_tokens: int = Field(16, ge=1, description="response length limit")
     temperature: float = Field(1.0, ge=0, description="0 or greedy=true: argmax")
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, description="-1: no top-k filtering")
+    top_k: int = Field(-1, ge=-1, description="keep the k most likely tokens; 0 or -1: no top-k filtering")
     greedy: bool = Field(False, description="argmax decoding (validation, ReMax baselines)")
 
 

@@ -1,0 +1,465 @@
+"""Runs people can trust: bad input, run-directory ownership, SIGTERM, durable files, safe checkpoints,
+a local-only Ray (issue 13)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowrl.graph import load_graph
+from flowrl.runtime.checkpoint import CheckpointStore
+from flowrl.runtime.rundir import LOCK_NAME, RunDirectory, RunDirectoryError
+from flowrl.runtime.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
+TINY_SET = [x for k, v in TINY.items() for x in ("--set", f"{k}={v}")]
+VALUES = ("step", "reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, COLUMNS="400", PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **extra)
+    env.pop("FORCE_COLOR", None)
+    return env
+
+
+def cli(*args: str, cwd: Path = ROOT, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flowrl.cli", *args], cwd=cwd, env=_env(**env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def train(out: Path, steps: int, resume: bool = False, say=lambda m: None, **extra):
+    g = load_graph("grpo", overrides={**TINY, **extra})
+    return Trainer(g, backend="local", steps=steps, out=out, resume=resume, say=say).run()
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def values(rs: list[dict]) -> list[tuple]:
+    return [tuple(r[k] for k in VALUES) for r in rs]
+
+
+# ---------------------------------------------------------------- the bad-input catalogue
+class Evil:
+    """Unpickling this runs a shell command: what a crafted checkpoint would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _grpo_yaml(tmp: Path, **changes: str) -> Path:
+    text = (ROOT / "graphs" / "grpo.yaml").read_text()
+    for old, new in changes.items():
+        assert old in text
+        text = text.replace(old, new)
+    path = tmp / "g.yaml"
+    path.write_text(text)
+    return path
+
+
+def case_binary_file(tmp: Path) -> list[str]:
+    (tmp / "bin.yaml").write_bytes(bytes(range(256)) * 4)
+    return ["validate", str(tmp / "bin.yaml")]
+
+
+def case_set_into_a_scalar(tmp: Path) -> list[str]:
+    return ["validate", "grpo", "--set", "data.batch_size.x=1"]
+
+
+def case_import_that_raises(tmp: Path) -> list[str]:
+    (tmp / "broken_mod.py").write_text("raise RuntimeError('boom at import')\n")
+    text = (ROOT / "graphs" / "grpo.yaml").read_text()
+    (tmp / "g.yaml").write_text("imports: [broken_mod]\n" + text)
+    return ["validate", str(tmp / "g.yaml")]
+
+
+def case_name_is_a_path(tmp: Path) -> list[str]:
+    g = _grpo_yaml(tmp, **{"name: grpo": "name: ../../x"})
+    return ["validate", str(g)]
+
+
+def case_set_applies_to_python_graphs(tmp: Path) -> list[str]:
+    return ["validate", "graphs/grpo.py", "--set", "data.batch_size=0"]
+
+
+def case_resume_and_overwrite(tmp: Path) -> list[str]:
+    return ["run", "grpo", "--resume", "--overwrite", "--out", str(tmp / "run")]
+
+
+def case_fresh_run_over_another_run(tmp: Path) -> list[str]:
+    (tmp / "run").mkdir()
+    (tmp / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    return ["run", "grpo", "--backend", "local", "--out", str(tmp / "run"), *TINY_SET]
+
+
+def case_nothing_to_resume(tmp: Path) -> list[str]:
+    return ["run", "grpo", "--backend", "local", "--resume", "--out", str(tmp / "run"), *TINY_SET]
+
+
+def case_meta_without_graph(tmp: Path) -> list[str]:
+    ck = tmp / "run" / "checkpoints" / "step_00000002"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text("{}")
+    for name in ("workers.pt", "weights.pt"):
+        torch.save({}, ck / name)
+    return ["run", "grpo", "--backend", "local", "--resume", "--out", str(tmp / "run"), *TINY_SET]
+
+
+def case_checkpoint_with_a_callable(tmp: Path) -> list[str]:
+    ck = tmp / "run" / "checkpoints" / "step_00000002"
+    ck.mkdir(parents=True)
+    (ck / "meta.json").write_text(json.dumps({"graph": {}}))
+    torch.save({"x": Evil(tmp / "pwned")}, ck / "workers.pt")
+    torch.save({}, ck / "weights.pt")
+    return ["run", "grpo", "--backend", "local", "--resume", "--out", str(tmp / "run"), *TINY_SET]
+
+
+def case_measured_with_a_torn_line(tmp: Path) -> list[str]:
+    (tmp / "run").mkdir()
+    (tmp / "run" / "metrics.jsonl").write_text('{"step": 1, "timing/generate": 0.5}\n{"step": 2, "timing/gen')
+    return ["plan", "grpo", "--measured", str(tmp / "run")]
+
+
+def case_unknown_graph(tmp: Path) -> list[str]:
+    return ["validate", "no_such_graph"]
+
+
+def case_misspelled_reward_fn(tmp: Path) -> list[str]:
+    return ["validate", "grpo", "--set", "nodes.reward.fn=arithh"]
+
+
+def case_dataset_without_reward_model(tmp: Path) -> list[str]:
+    (tmp / "d.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "1+1"}],
+                                             "data_source": "x"}) + "\n")
+    return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
+def case_zero_row_dataset(tmp: Path) -> list[str]:
+    (tmp / "d.jsonl").write_text("")
+    return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
+def case_model_dir_without_config(tmp: Path) -> list[str]:
+    (tmp / "model").mkdir()
+    return ["validate", "grpo", "--set", f"roles.actor.model={tmp / 'model'}"]
+
+
+def case_top_k_out_of_range(tmp: Path) -> list[str]:
+    return ["validate", "grpo", "--set", "nodes.generate.top_k=-2"]
+
+
+def case_kl_loss_without_reference(tmp: Path) -> list[str]:
+    return ["validate", "grpo", "--set", "nodes.update_actor.use_kl_loss=true"]
+
+
+def case_validation_with_nothing_that_scores(tmp: Path) -> list[str]:
+    g = _grpo_yaml(tmp, **{"  reward:       {op: reward.rule}\n": "",
+                          "inputs: {token_level_rewards: token_level_scores}": "inputs: {token_level_rewards: rw}",
+                          "name: grpo": "name: g\nimports: [mymod]"})
+    (tmp / "mymod.py").write_text(
+        "from flowrl.graph import operator\n"
+        "@operator('mymod.const', inputs={'responses': 'int64[B, R]'}, outputs={'rw': 'float32[B, R]'})\n"
+        "def const(batch, p):\n    return {'rw': batch['responses'].float() * 0}\n")
+    return ["validate", str(g)]
+
+
+def case_staleness_of_a_misspelled_role(tmp: Path) -> list[str]:
+    g = _grpo_yaml(tmp, **{"staleness: 0": "staleness: {acter: 1}"})
+    return ["validate", str(g)]
+
+
+def case_bad_data_path_is_one_error(tmp: Path) -> list[str]:
+    return ["validate", "grpo", "--set", "data.source=nope.parquet"]
+
+
+def case_own_operator_next_to_the_graph_file(tmp: Path) -> list[str]:
+    (tmp / "mymod.py").write_text((ROOT / "tests" / "userpkg" / "length_penalty.py").read_text()
+                                  .replace("userpkg.length_penalty", "mymod.length_penalty"))
+    g = _grpo_yaml(tmp, **{"inputs: {token_level_rewards: token_level_scores}": "",
+                          "  reward:       {op: reward.rule}\n":
+                          "  reward:       {op: reward.rule}\n  penalty: {op: 'mymod:length_penalty'}\n"})
+    return ["validate", str(g)]
+
+
+def case_prompt_of_the_wrong_type(tmp: Path) -> list[str]:
+    row = {"prompt": 7, "data_source": "x", "reward_model": {"ground_truth": "1"}}
+    (tmp / "d.jsonl").write_text(json.dumps(row) + "\n")
+    return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
+def case_word_outside_the_tiny_vocabulary(tmp: Path) -> list[str]:
+    row = {"prompt": [{"role": "user", "content": "copy 1 2 zebra"}], "data_source": "builtin:copy",
+           "reward_model": {"ground_truth": "1 2"}}
+    (tmp / "d.jsonl").write_text((json.dumps(row) + "\n") * 4)
+    return ["run", "grpo", "--backend", "local", "--steps", "1", "--out", str(tmp / "run"), *TINY_SET,
+            "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
+def case_ray_address_in_the_environment(tmp: Path) -> tuple[list[str], dict[str, str]]:
+    args = ["run", "grpo", "--steps", "1", "--out", str(tmp / "run"), *TINY_SET]
+    return args, {"RAY_ADDRESS": "127.0.0.1:1"}  # nothing listens on port 1
+
+
+# (case, exit code, fragments of the message: each short enough to assert on normalised whitespace)
+CATALOGUE = [
+    (case_binary_file, 1, ["bin.yaml is not a text file"]),
+    (case_set_into_a_scalar, 1, ["--set data.batch_size.x=1", "is not a section"]),
+    (case_import_that_raises, 1, ["importing module 'broken_mod' raised RuntimeError: boom at import"]),
+    (case_name_is_a_path, 1, ["not a path"]),
+    (case_set_applies_to_python_graphs, 1, ["data.batch_size"]),
+    (case_resume_and_overwrite, 2, ["give one of them"]),
+    (case_fresh_run_over_another_run, 1, ["already holds a run (metrics.jsonl)", "--overwrite"]),
+    (case_nothing_to_resume, 1, ["no complete checkpoint", "start without --resume"]),
+    (case_meta_without_graph, 1, ["meta.json has no 'graph' mapping", "every checkpoint"]),
+    (case_checkpoint_with_a_callable, 1, ["workers.pt holds something other than tensors", "posix.system"]),
+    (case_measured_with_a_torn_line, 0, ["metrics.jsonl: line 2 is incomplete"]),
+    (case_unknown_graph, 1, ["no graph 'no_such_graph'"]),
+    (case_misspelled_reward_fn, 1, ["node 'reward', field 'fn'", "unknown reward function 'arithh'"]),
+    (case_dataset_without_reward_model, 1, ["missing required column 'reward_model'"]),
+    (case_zero_row_dataset, 1, ["the file has no rows"]),
+    (case_model_dir_without_config, 1, ["(no config.json)"]),
+    (case_top_k_out_of_range, 1, ["field 'top_k'", "greater than or equal to -1"]),
+    (case_kl_loss_without_reference, 1, ["use_kl_loss: true needs 'ref_log_prob'"]),
+    (case_validation_with_nothing_that_scores, 1, ["trainer.val_every asks for validation"]),
+    (case_staleness_of_a_misspelled_role, 1, ["schedule.staleness names 'acter'", "did you mean 'actor'?"]),
+    (case_bad_data_path_is_one_error, 1, ["7 inputs of advantage, generate, reward have no producer", "1 error"]),
+    (case_own_operator_next_to_the_graph_file, 0, ["ok grpo"]),
+    (case_prompt_of_the_wrong_type, 1, ["row 0: 'prompt' is int", "a list of chat messages"]),
+    (case_word_outside_the_tiny_vocabulary, 1, ["outside the tokenizer's vocabulary ('zebra')"]),
+    (case_ray_address_in_the_environment, 1, ["cannot reach the Ray cluster at 127.0.0.1:1 (RAY_ADDRESS"]),
+]
+
+
+@pytest.mark.parametrize("make,code,fragments", CATALOGUE, ids=[c[0].__name__[5:] for c in CATALOGUE])
+def test_bad_input_gets_a_message_not_a_traceback(tmp_path, make, code, fragments):
+    made = make(tmp_path)
+    args, env = made if isinstance(made, tuple) else (made, {})
+    res = cli(*args, **env)
+    both = flat(res.stdout + res.stderr)
+    assert res.returncode == code, both
+    for fragment in fragments:
+        assert fragment in both
+    assert "Traceback" not in res.stderr
+    assert "\x1b[" not in res.stderr  # no colour codes off a terminal
+    assert not (tmp_path / "pwned").exists()  # nothing in a checkpoint ran
+
+
+# ---------------------------------------------------------------- the run directory
+def test_a_second_run_on_a_directory_is_refused_naming_the_holder(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from pathlib import Path; "
+         "from flowrl.runtime.rundir import RunDirectory; "
+         "d = RunDirectory(Path(sys.argv[1])); d.lock(); print('held', flush=True); time.sleep(60)",
+         str(tmp_path)], env=_env(), stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(RunDirectoryError) as exc:
+            train(tmp_path, steps=1)
+        assert f"pid {holder.pid}" in str(exc.value) and "in use by another run" in str(exc.value)
+    finally:
+        holder.kill()
+        holder.wait()
+    said: list[str] = []
+    RunDirectory(tmp_path, say=said.append).lock()  # the holder died: its lock is taken over, saying so
+    assert any("taking over the lock" in m and f"pid {holder.pid}" in m for m in said)
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+
+
+def test_overwrite_replaces_a_run_and_every_run_ends_with_a_checkpoint(tmp_path):
+    train(tmp_path, steps=2)
+    assert [p.name for p in CheckpointStore(tmp_path / "checkpoints").complete()] == ["step_00000002"]
+    g = load_graph("grpo", overrides=TINY)
+    with pytest.raises(RunDirectoryError):
+        Trainer(g, backend="local", steps=1, out=tmp_path, say=lambda m: None).run()
+    Trainer(g, backend="local", steps=1, out=tmp_path, overwrite=True, say=lambda m: None).run()
+    assert [r["step"] for r in rows(tmp_path)] == [1]
+    assert [p.name for p in CheckpointStore(tmp_path / "checkpoints").complete()] == ["step_00000001"]
+
+
+def test_sigterm_saves_exits_143_and_resume_equals_an_uninterrupted_run(tmp_path):
+    steps = 6
+    cut = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "run", "grpo", "--backend", "local",
+                             "--steps", str(steps), "--out", str(cut), *TINY_SET],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (cut / "metrics.jsonl").is_file():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 143, out
+    assert "checkpoint saved, continue with --resume" in flat(out)
+    done = len(rows(cut))
+    assert 1 <= done < steps  # it stopped early, after the step in flight
+    assert CheckpointStore(cut / "checkpoints").complete()[0].name == f"step_{done:08d}"
+    resumed = cli("run", "grpo", "--backend", "local", "--steps", str(steps), "--out", str(cut), "--resume",
+                  *TINY_SET)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    full = train(tmp_path / "full", steps=steps)
+    assert values(rows(cut)) == values(full)
+
+
+# ---------------------------------------------------------------- durable, tolerant files
+def test_a_torn_metrics_line_is_dropped_with_a_warning_and_resume_goes_on(tmp_path):
+    train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
+    # a crash mid-write after the step-4 checkpoint: rows 1..4 are whole, the fifth is cut
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 5, "reward/me')
+    said: list[str] = []
+    more = train(tmp_path, steps=5, resume=True, say=said.append, **{"trainer.checkpoint_every": 2})
+    assert [r["step"] for r in more] == [5]
+    assert any(str(tmp_path / "metrics.jsonl") in m and "line 5 is incomplete" in m for m in said)
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3, 4, 5]
+
+
+def test_resume_drops_only_the_rows_after_the_checkpoint(tmp_path):
+    train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
+    newest = CheckpointStore(tmp_path / "checkpoints").complete()[0]
+    assert newest.name == "step_00000004"
+    # a run killed after step 3 leaves its rows but no checkpoint of them
+    shutil.rmtree(newest)
+    before = rows(tmp_path)
+    said: list[str] = []
+    train(tmp_path, steps=4, resume=True, say=said.append, **{"trainer.checkpoint_every": 2})
+    after = rows(tmp_path)
+    assert [r["step"] for r in after] == [1, 2, 3, 4]
+    assert values(after[:2]) == values(before[:2])  # the rows up to the checkpoint are the same rows
+
+
+def test_a_pickled_callable_in_a_checkpoint_is_refused_without_running_it(tmp_path):
+    train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
+    newest = CheckpointStore(tmp_path / "checkpoints").complete()[0]
+    marker = tmp_path / "pwned"
+    torch.save({"weights": Evil(marker)}, newest / "weights.pt")
+    said: list[str] = []
+    more = train(tmp_path, steps=5, resume=True, say=said.append, **{"trainer.checkpoint_every": 2})
+    assert not marker.exists()
+    assert any("step_00000004" in m and "refused" in m and "posix.system" in m for m in said)
+    assert any("resuming from" in m and "step_00000002" in m for m in said)
+    assert [r["step"] for r in more] == [3, 4, 5]
+
+
+def test_the_directory_name_decides_the_step(tmp_path):
+    train(tmp_path, steps=2)
+    ck = CheckpointStore(tmp_path / "checkpoints").complete()[0]
+    meta = json.loads((ck / "meta.json").read_text())
+    (ck / "meta.json").write_text(json.dumps({**meta, "step": 40}))  # an edited step is ignored
+    more = train(tmp_path, steps=3, resume=True)
+    assert [r["step"] for r in more] == [3]
+
+
+def test_a_checkpoint_of_the_wrong_shape_falls_back_to_the_previous_one(tmp_path):
+    train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
+    newest = CheckpointStore(tmp_path / "checkpoints").complete()[0]
+    state = torch.load(newest / "workers.pt", weights_only=True)
+    for worker in state.values():
+        model = worker["roles"]["actor"]["model"]
+        name = next(iter(model))
+        model[name] = torch.zeros(3, 3)
+    torch.save(state, newest / "workers.pt")
+    said: list[str] = []
+    more = train(tmp_path, steps=5, resume=True, say=said.append, **{"trainer.checkpoint_every": 2})
+    assert any("step_00000004" in m and "does not fit" in m for m in said)
+    assert [r["step"] for r in more] == [3, 4, 5]
+
+
+# ---------------------------------------------------------------- closed by default, on Ray too
+def _process_tree(root: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(p))
+    out, i = [root], 0
+    while i < len(out):
+        out.extend(kids.get(out[i], []))
+        i += 1
+    return out
+
+
+def _listening_addresses(pids: list[int]) -> list[str]:
+    """The local address (hex, as /proc/net prints it) of every TCP socket ``pids`` listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            parts = line.split()
+            if parts[3] == "0A" and parts[9] in inodes:  # 0A: LISTEN
+                out.append(parts[1].split(":")[0])
+    return out
+
+
+LOOPBACK = {"0100007F",  # 127.0.0.1
+            "0000000000000000FFFF00000100007F",  # ::ffff:127.0.0.1
+            "00000000000000000000000001000000"}  # ::1
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux /proc")
+def test_a_ray_run_listens_on_loopback_only_and_sigterm_saves_and_exits_143(tmp_path):
+    env = _env()
+    env.pop("RAY_ADDRESS", None)
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "run", "grpo", "--backend", "ray", "--steps", "500",
+                             "--out", str(out), *TINY_SET],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and not (out / "metrics.jsonl").is_file():
+            time.sleep(0.1)
+        found = _listening_addresses(_process_tree(proc.pid))
+        proc.send_signal(signal.SIGTERM)
+        text, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(found) >= 3, text  # Ray's servers (GCS, raylet, object manager...) were seen listening
+    assert set(found) <= LOOPBACK, found
+    assert proc.returncode == 143, text  # not Ray's abort (134), not a lost run
+    done = len(rows(out))
+    assert CheckpointStore(out / "checkpoints").complete()[0].name == f"step_{done:08d}"
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full to stand in for a full disk")
+def test_a_full_disk_names_the_metrics_file_and_how_to_continue(tmp_path):
+    from flowrl.runtime.sinks import Sinks
+
+    sinks = Sinks(tmp_path)
+    sinks.jsonl.close()
+    sinks.jsonl = open("/dev/full", "a")  # every write fails with ENOSPC
+    with pytest.raises(OSError) as exc:
+        sinks.write(1, {"step": 1, "reward/mean": 0.5})
+    assert "cannot write /dev/full" in str(exc.value) and "--resume" in str(exc.value)
