@@ -15,14 +15,18 @@ from operators.models.loading import (
     resolve_dtype,
     save_model,
 )
-from operators.models.forward import response_log_probs, response_values
+from operators.models.forward import (
+    response_log_probs,
+    response_log_probs_and_sum_pi_squared,
+    response_values,
+)
 from operators.models.optim import OptimConfig, build_optimizer, clip_grad_norm, lr_multiplier
 from operators.models.tiny import VOCAB, build_tiny_model, build_tiny_tokenizer, tiny_config
 from operators.models.value import ValueModel
 
 __all__ = [
     "BUILTIN_MODELS", "ModelLoadError", "load_model", "load_tokenizer", "resolve_dtype", "save_model",
-    "response_log_probs", "response_values",
+    "response_log_probs", "response_log_probs_and_sum_pi_squared", "response_values",
     "OptimConfig", "build_optimizer", "clip_grad_norm", "lr_multiplier",
     "VOCAB", "build_tiny_model", "build_tiny_tokenizer", "tiny_config",
     "ValueModel",
