@@ -325,7 +325,8 @@ RS_CASES = [
     ("seq_sum_k1", "0.7_1.5"), ("seq_sum_k2", 0.15), ("seq_sum_k3", 0.15),
     ("seq_mean_k1", "0.9_1.1"), ("seq_mean_k2", 0.02), ("seq_mean_k3", 0.02),
     ("seq_max_k2", 0.05), ("seq_max_k3", 0.05),
-    ("token_k1,seq_mean_k3,seq_max_k2", "0.8_1.25,0.02,0.05"), ("token_k2,seq_sum_k3", "0.03,0.3"), ("seq_sum_k3,seq_mean_k2", 0.1),
+    ("token_k1,seq_mean_k3,seq_max_k2", "0.8_1.25,0.02,0.05"), ("token_k2,seq_sum_k3", "0.03,0.3"),
+    ("seq_sum_k3,seq_mean_k2", 0.1),
 ]
 
 
