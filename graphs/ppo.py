@@ -24,4 +24,4 @@ def ppo(batch):
     batch = kl.reward(batch, kl_coef=0.001)
     batch = advantage.gae(batch, gamma=1.0, lam=0.95)
     critic.update(batch, cliprange_value=0.5)
-    return actor.update(batch, clip_ratio=0.2, dual_clip=False)
+    return actor.update(batch, clip_ratio=0.2)

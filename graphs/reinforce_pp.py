@@ -19,4 +19,4 @@ def reinforce_pp(batch):
     batch = logprob.ref(batch)
     batch = kl.reward(batch, kl_coef=0.001, inputs={"old_log_probs": "rollout_log_probs"})
     batch = advantage.reinforce_pp(batch, gamma=1.0)
-    return actor.update(batch, clip_ratio=0.2, dual_clip=False, inputs={"old_log_probs": "rollout_log_probs"})
+    return actor.update(batch, clip_ratio=0.2, inputs={"old_log_probs": "rollout_log_probs"})

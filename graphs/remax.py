@@ -24,4 +24,4 @@ def remax(batch):
                         inputs={"responses": "baseline_responses", "response_mask": "baseline_response_mask"},
                         outputs={"token_level_scores": "reward_baselines"})
     batch = advantage.remax(batch, inputs={"token_level_rewards": "token_level_scores"})
-    return actor.update(batch, clip_ratio=0.2, dual_clip=False, inputs={"old_log_probs": "rollout_log_probs"})
+    return actor.update(batch, clip_ratio=0.2, inputs={"old_log_probs": "rollout_log_probs"})

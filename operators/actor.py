@@ -5,18 +5,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from flowrl.graph import Params, operator
 from flowrl.graph.checks import MissingProducerError, graph_check
 from operators.algos import (
     KL_ESTIMATORS,
     POLICY_LOSSES,
+    RS_OPTIONS,
     PolicyLossParams,
     entropy_loss,
     get_policy_loss,
     kl_loss,
     mismatch_metrics,
+    parse_is_threshold,
+    parse_rs_thresholds,
     rollout_correction,
 )
 from operators.algos.losses import AGG_MODES
@@ -57,15 +60,33 @@ class ActorUpdate(Params):
     rollout_is: Literal["token", "sequence"] | None = Field(
         None, description="TIS: weight the loss by min(π_old/π_rollout, rollout_is_threshold), per token or "
                           "per sequence (needs old_log_probs from logprob.old)")
-    rollout_is_threshold: float = Field(2.0, gt=0, description="TIS cap C; also the mismatch metrics' threshold")
-    rollout_rs: Literal["token", "sequence"] | None = Field(
-        None, description="MIS: drop tokens / sequences whose π_old/π_rollout is outside the bounds")
-    rollout_rs_threshold: float = Field(2.0, gt=0, description="MIS upper bound")
+    rollout_is_threshold: float | str = Field(
+        2.0, description="TIS cap C (also the mismatch metrics' threshold), or 'lower_upper' (e.g. '0.5_2.0') "
+                         "for IcePop: weight ρ inside the band, 0 outside")
+    rollout_rs: str | None = Field(
+        None, description="rejection: 'token' / 'sequence' drop tokens / sequences whose π_old/π_rollout is "
+                          f"outside the bounds (MIS); or verl's divergence options, comma separated: "
+                          f"{', '.join(RS_OPTIONS)}")
+    rollout_rs_threshold: float | str = Field(
+        2.0, description="MIS upper bound; for the divergence options one threshold for all or one per option, "
+                         "comma separated ('lower_upper' for k1)")
     rollout_rs_threshold_lower: float | None = Field(None, gt=0, description="MIS lower bound (default 1/upper)")
     mini_batch_size: int | None = Field(None, ge=1, description="rows per optimizer step (default: all)")
     epochs: int = Field(1, ge=1, description="passes over the batch")
     micro_batch_size: int | None = Field(None, ge=1, description="rows per forward pass (grad accumulation)")
     temperature: float = Field(1.0, gt=0, description="the rollout's temperature")
+
+    @model_validator(mode="after")
+    def _rollout_correction_specs(self):
+        # refuse a bad spec when the graph loads, not at the first update
+        parse_is_threshold(self.rollout_is_threshold)
+        if self.rollout_rs in ("token", "sequence"):
+            if not isinstance(self.rollout_rs_threshold, (int, float)) or self.rollout_rs_threshold <= 0:
+                raise ValueError(f"rollout_rs_threshold for rollout_rs={self.rollout_rs!r} is one number > 0, "
+                                 f"got {self.rollout_rs_threshold!r}")
+        elif self.rollout_rs is not None:
+            parse_rs_thresholds(self.rollout_rs, self.rollout_rs_threshold)
+        return self
 
     def loss_params(self) -> PolicyLossParams:
         return PolicyLossParams(
@@ -140,7 +161,7 @@ def update(actor, batch, p: ActorUpdate):
         agg = agg_kwargs(norm)
         weights = None
         # the gap between the policy being trained and the one that sampled, whatever corrects it
-        metrics = mismatch_metrics(log_prob, mb[behaviour], mask, p.rollout_is_threshold)
+        metrics = mismatch_metrics(log_prob, mb[behaviour], mask, parse_is_threshold(p.rollout_is_threshold)[0])
         if p.rollout_is or p.rollout_rs:
             corr = rollout_correction(mb["old_log_probs"], mb["rollout_log_probs"], mask,
                                       is_level=p.rollout_is, is_threshold=p.rollout_is_threshold,

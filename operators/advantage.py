@@ -20,8 +20,9 @@ operator                               verl ``algorithm.adv_estimator``     scop
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 
 from flowrl.graph import Params, operator
 from operators.algos import (
@@ -121,13 +122,59 @@ def gpg(batch, p: GPG):
     return _out(adv, ret, batch["response_mask"])
 
 
-@operator("advantage.gdpo", scope="batch", node_name="advantage", params=GRPO, outputs=OUT,
-          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
-def gdpo(batch, p: GRPO):
-    """GRPO per reward component, summed, whitened over the batch (one component: the reward)."""
-    adv, ret = gdpo_advantages([batch["token_level_rewards"]], batch["response_mask"], batch["uid"],
+class GDPO(GRPO):
+    reward_keys: list[str] = Field(
+        default_factory=list, validation_alias=AliasChoices("reward_keys", "gdpo_reward_keys"),
+        description="the reward components: keys of compute_score's dict (reward.rule_extras' reward_extra_info), "
+                    "each normalised in its group on its own; empty: the one reward. verl: gdpo_reward_keys")
+    reward_weights: list[float] | None = Field(
+        None, validation_alias=AliasChoices("reward_weights", "gdpo_reward_weights"),
+        description="one weight per reward key (default: equal). verl: gdpo_reward_weights")
+
+    @model_validator(mode="after")
+    def _one_weight_per_key(self):
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_keys):
+            raise ValueError(f"reward_weights has {len(self.reward_weights)} weights for "
+                             f"{len(self.reward_keys)} reward_keys; give one per key")
+        return self
+
+
+@operator("advantage.gdpo", scope="batch", node_name="advantage", params=GDPO, outputs=OUT,
+          aux_outputs=("returns",), inputs={**GROUPED, "reward_extra_info": "object[B]"},
+          optional_inputs=("reward_extra_info",), dumped=("uid", "advantages"))
+def gdpo(batch, p: GDPO):
+    """GRPO per reward component, weighted sum, whitened over the batch (no reward_keys: the one reward)."""
+    if not p.reward_keys:
+        components, metrics = [batch["token_level_rewards"]], {}
+    else:
+        if "reward_extra_info" not in batch:
+            raise ValueError("advantage.gdpo: reward_keys are set but the batch has no reward_extra_info; score with "
+                             "reward.rule_extras and a compute_score that returns a dict holding "
+                             f"{', '.join(p.reward_keys)}")
+        scores = reward_components(batch["reward_extra_info"], p.reward_keys)
+        # each component as a [B, 1] reward: GRPO reads only each response's total, wherever it sits
+        components = [scores[:, k:k + 1] for k in range(len(p.reward_keys))]
+        metrics = {f"gdpo/{key}/{stat}": getattr(scores[:, k], stat)()
+                   for k, key in enumerate(p.reward_keys) for stat in ("mean", "max", "min")}
+    adv, ret = gdpo_advantages(components, batch["response_mask"], batch["uid"], weights=p.reward_weights,
                                norm_by_std=p.norm_by_std, epsilon=p.epsilon)
-    return _out(adv, ret, batch["response_mask"])
+    advantages, base = _out(adv, ret, batch["response_mask"])
+    return advantages, {**base, **metrics}
+
+
+def reward_components(extra_info, keys: list[str]) -> torch.Tensor:
+    """``float32[B, K]``: each response's value of each key, from its ``reward_extra_info`` dict."""
+    out = torch.empty(len(extra_info), len(keys), dtype=torch.float32)
+    for i, row in enumerate(extra_info):
+        for k, key in enumerate(keys):
+            value = (row or {}).get(key)
+            if isinstance(value, str) or not isinstance(value, (int, float, bool, np.number)):
+                have = ", ".join(sorted(row or {})) or "none"
+                raise ValueError(f"advantage.gdpo: response {i} has no numeric reward component {key!r} "
+                                 f"(its extras: {have}); make compute_score return {key!r} for every response, "
+                                 "or fix reward_keys")
+            out[i, k] = float(value)
+    return out
 
 
 class ReinforcePP(Params):

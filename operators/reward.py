@@ -12,7 +12,8 @@ from pydantic import Field
 from flowrl.graph import Params, operator
 from flowrl.graph.checks import ParameterError, graph_check
 from operators.models import load_tokenizer
-from operators.rewards import compute_scores, extra_metrics, place_at_last_token, resolve_reward_fn
+
+from operators.rewards import compute_scores, extra_info_rows, extra_metrics, place_at_last_token, resolve_reward_fn
 
 
 class Rule(Params):
@@ -27,18 +28,38 @@ def tokenizer_for(spec: str):
     return load_tokenizer(spec)
 
 
-@operator(
-    "reward.rule", scope="row", node_name="reward", params=Rule, optional_inputs=("reward_style",),
-    inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "data_source": "object[B]",
-            "ground_truth": "object[B]", "extra_info": "object[B]", "reward_style": "object[B]",
-            "tokenizer": "meta"},
-    outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),
-)
+RULE = dict(scope="row", node_name="reward", params=Rule, optional_inputs=("reward_style",),
+            inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "data_source": "object[B]",
+                    "ground_truth": "object[B]", "extra_info": "object[B]", "reward_style": "object[B]",
+                    "tokenizer": "meta"},
+            score="token_level_scores", dumped=("token_level_scores",))
+
+
+@operator("reward.rule", outputs={"token_level_scores": "float32[B, R]"}, **RULE)
 def rule(batch, p: Rule):
     """score_i = fn(response_i, ground_truth_i), placed on the last response token.
 
     A dict result's other numeric keys become ``reward/<key>/mean`` metrics.
     """
+    scores, extras, metrics = _score(batch, p)
+    return {"token_level_scores": place_at_last_token(scores, batch["response_mask"])}, metrics
+
+
+@operator("reward.rule_extras", outputs={"token_level_scores": "float32[B, R]", "reward_extra_info": "object[B]"},
+          **RULE)
+def rule_extras(batch, p: Rule):
+    """reward.rule that also keeps each response's other dict keys: ``reward_extra_info[i]`` is a dict.
+
+    verl's ``reward_extra_info``: GDPO reads its reward components there
+    (``advantage.gdpo``'s ``reward_keys``). A separate operator, so graphs that
+    score twice (ReMax's greedy baseline) keep one producer per field.
+    """
+    scores, extras, metrics = _score(batch, p)
+    return {"token_level_scores": place_at_last_token(scores, batch["response_mask"]),
+            "reward_extra_info": extra_info_rows(extras, len(scores))}, metrics
+
+
+def _score(batch, p: Rule):
     scores, extras = compute_scores(
         batch["responses"], batch["response_mask"], data_source=batch["data_source"],
         ground_truth=batch["ground_truth"], extra_info=batch["extra_info"],
@@ -47,7 +68,7 @@ def rule(batch, p: Rule):
     )
     metrics = {"reward/mean": scores.mean(), "reward/max": scores.max(), "reward/min": scores.min(),
                **extra_metrics(extras)}
-    return {"token_level_scores": place_at_last_token(scores, batch["response_mask"])}, metrics
+    return scores, extras, metrics
 
 
 @graph_check

@@ -100,6 +100,37 @@ def test_actor_update_logs_the_mismatch_and_bounds_the_tis_weight(actor_and_batc
     assert out.meta_info["metrics"]["actor/rollout_corr/rs_masked_fraction"] > 0
 
 
+def test_actor_update_takes_verls_rejection_options_and_icepop(actor_and_batch):
+    from operators import actor as actor_ops
+
+    role, batch = actor_and_batch          # log ρ = 0.9 on row 0, -0.9 on row 1, 0.2 on row 2, 0 on row 3
+    out = actor_ops.update(role, batch, rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.5_2.0,0.5")
+    m = out.meta_info["metrics"]
+    # k1 = -log ρ: ±0.9 lies outside [log .5, log 2] = ±0.69, so rows 0 and 1 go; k3(0.9) = 0.56 > 0.5 too
+    assert m["actor/rollout_corr/rs_token_k1_masked_fraction"] == pytest.approx(0.5)
+    assert m["actor/rollout_corr/rs_seq_max_k3_seq_masked_fraction"] == pytest.approx(0.25)
+    assert m["actor/rollout_corr/rs_masked_fraction"] == pytest.approx(0.5)
+    out = actor_ops.update(role, batch, rollout_is="token", rollout_is_threshold="0.5_2.0")
+    m = out.meta_info["metrics"]                 # IcePop: ρ = e^0.9 > 2 gets weight 0, not 2
+    assert m["actor/rollout_corr/is_weight_max"] == pytest.approx(math.exp(0.2), rel=1e-4)
+    assert m["actor/rollout_corr/is_oob_fraction"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"rollout_rs": "token_k4"}, "unknown option.*token_k4"),
+    ({"rollout_rs": "seq_max_k2", "rollout_rs_threshold": "0.1_2"}, "for seq_max_k2: one number"),
+    ({"rollout_rs": "token_k2,token_k3", "rollout_rs_threshold": "1,2,3"}, "one per option"),
+    ({"rollout_is": "token", "rollout_is_threshold": "2_0.5"}, "lower <= upper"),
+])
+def test_bad_rollout_correction_specs_fail_when_the_graph_loads(params, message):
+    from pydantic import ValidationError
+
+    from operators.actor import ActorUpdate
+
+    with pytest.raises(ValidationError, match=message):
+        ActorUpdate(**params)
+
+
 def test_tis_without_a_separate_pi_old_says_how_to_get_one(actor_and_batch):
     from operators import actor as actor_ops
 

@@ -281,3 +281,83 @@ def test_masked_statistics(data):
     same(algos.masked_mean(values, data["mask"]), verl_F.masked_mean(values, data["mask"]))
     same(algos.masked_sum(values, data["mask"], dim=-1), verl_F.masked_sum(values, data["mask"], axis=-1))
     same(algos.masked_whiten(data["advantages"], data["mask"]), verl_F.masked_whiten(data["advantages"], data["mask"]))
+
+
+# --- GDPO reward components, Σπ², rejection sampling and IcePop --------------------------------------
+
+@pytest.mark.parametrize("weights", [None, [1.0, 0.5, 2.0]])
+def test_gdpo_reward_components_from_compute_score_dicts(data, weights):
+    from flowrl.data import DataProto
+    from operators import advantage
+
+    gen = torch.Generator().manual_seed(11)
+    keys = ["format", "accuracy", "length"]
+    values = {"format": torch.randint(0, 2, (B,), generator=gen).float(),
+              "accuracy": torch.randint(0, 3, (B,), generator=gen).float() * 0.5,
+              "length": torch.randn(B, generator=gen) * 4}
+    extra_info = np.empty(B, dtype=object)
+    for i in range(B):
+        extra_info[i] = {key: float(values[key][i]) for key in keys}
+    mask = data["mask"]
+    batch = DataProto.from_dict(
+        tensors={"token_level_rewards": data["rewards"], "response_mask": mask},
+        non_tensors={"uid": data["index"], "reward_extra_info": extra_info})
+    ours = advantage.gdpo(batch, gdpo_reward_keys=keys, gdpo_reward_weights=weights)
+    prompts = torch.ones(B, 3, dtype=torch.long)
+    theirs, _ = core_algos.compute_gdpo_outcome_advantage(
+        data["rewards"], mask, data["index"],
+        config=AlgoConfig(gdpo_reward_keys=keys, gdpo_reward_weights=weights),
+        non_tensor_batch={key: values[key].numpy() for key in keys},
+        batch={"prompts": prompts, "attention_mask": torch.cat([prompts, mask], -1)})
+    same(ours["advantages"], theirs)
+    assert not torch.allclose(ours["advantages"], advantage.gdpo(batch)["advantages"])  # the components count
+
+
+def test_sum_pi_squared_matches_verl():
+    from verl.utils import torch_functional as verl_F
+
+    logits = torch.randn(3, 5, 40, generator=torch.Generator().manual_seed(2)) * 6
+    same(algos.sum_pi_squared_from_logits(logits), verl_F.calculate_sum_pi_squared_from_logits(logits))
+
+
+RS_CASES = [
+    ("token_k1", "0.8_1.25"), ("token_k1", "1.25"), ("token_k2", 0.02), ("token_k3", 0.02),
+    ("seq_sum_k1", "0.7_1.5"), ("seq_sum_k2", 0.15), ("seq_sum_k3", 0.15),
+    ("seq_mean_k1", "0.9_1.1"), ("seq_mean_k2", 0.02), ("seq_mean_k3", 0.02),
+    ("seq_max_k2", 0.05), ("seq_max_k3", 0.05),
+    ("token_k1,seq_mean_k3,seq_max_k2", "0.8_1.25,0.02,0.05"), ("token_k2,seq_sum_k3", "0.03,0.3"),
+    ("seq_sum_k3,seq_mean_k2", 0.1),
+]
+
+
+@pytest.mark.parametrize("options,threshold", RS_CASES)
+def test_rollout_rejection_modes(data, options, threshold):
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_rejection_mask
+
+    mask = data["mask"]
+    ours = algos.rollout_correction(data["old_log_prob"], data["rollout_log_prob"], mask,
+                                    rs_level=options, rs_threshold=threshold)
+    theirs, their_metrics = compute_rollout_rejection_mask(data["old_log_prob"] - data["rollout_log_prob"], mask,
+                                                           rollout_rs=options, rollout_rs_threshold=threshold)
+    assert torch.equal(ours.response_mask, theirs)
+    assert 0 < ours.metrics["rollout_corr/rs_masked_fraction"] < 1  # the thresholds bite on these inputs
+    for option in options.split(","):
+        for stat in ("mean", "max", "masked_fraction", "seq_masked_fraction"):
+            same(ours.metrics[f"rollout_corr/rs_{option}_{stat}"], their_metrics[f"rollout_rs_{option}_{stat}"])
+    for stat in ("masked_fraction", "seq_masked_fraction"):
+        same(ours.metrics[f"rollout_corr/rs_{stat}"], their_metrics[f"rollout_rs_{stat}"])
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("threshold", [2.0, 1.1, "0.8_1.25", "0.5_3.0"])
+def test_tis_and_icepop_weights(data, level, threshold):
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+
+    mask = data["mask"]
+    ours = algos.rollout_correction(data["old_log_prob"], data["rollout_log_prob"], mask,
+                                    is_level=level, is_threshold=threshold)
+    theirs, their_metrics = compute_rollout_correction_weights(
+        data["old_log_prob"] - data["rollout_log_prob"], mask, rollout_is=level, rollout_is_threshold=threshold)
+    same(ours.weights, theirs)
+    if isinstance(threshold, str):
+        same(ours.metrics["rollout_corr/is_oob_fraction"], their_metrics["rollout_is_oob_ratio"])

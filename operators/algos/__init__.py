@@ -55,6 +55,11 @@ _HOME = {
     "RolloutCorrection": "operators.algos.rollout_correction",
     "mismatch_metrics": "operators.algos.rollout_correction",
     "rollout_correction": "operators.algos.rollout_correction",
+    "sum_pi_squared_from_logits": "operators.algos.functional",
+    "RS_OPTIONS": "operators.algos.rollout_correction",
+    "divergence_rejection": "operators.algos.rollout_correction",
+    "parse_is_threshold": "operators.algos.rollout_correction",
+    "parse_rs_thresholds": "operators.algos.rollout_correction",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
@@ -64,9 +69,11 @@ __all__ = [
     "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "remax_advantages", "rloo_advantages",
     "tir_optimal_token_baseline_advantages",
     "entropy_from_logits", "logprobs_from_logits", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
+    "sum_pi_squared_from_logits",
     "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "KLController", "apply_kl_penalty", "build_kl_controller",
     "kl_penalty",
     "AGG_MODES", "POLICY_LOSSES", "PolicyLoss", "PolicyLossParams", "agg_loss", "entropy_loss",
     "get_policy_loss", "kl_loss", "policy_loss", "register_policy_loss", "value_loss",
-    "RolloutCorrection", "mismatch_metrics", "rollout_correction",
+    "RS_OPTIONS", "RolloutCorrection", "divergence_rejection", "mismatch_metrics", "parse_is_threshold",
+    "parse_rs_thresholds", "rollout_correction",
 ]

@@ -33,6 +33,15 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
+def sum_pi_squared_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``Σ_v π(v)²`` with ``π = softmax(logits)``, per position: ``logits[..., V]`` → ``[...]`` in fp32.
+
+    Computed in log space, ``exp(logsumexp(2z) - 2·logsumexp(z))``, so large logits do not overflow.
+    """
+    logits = logits.float()
+    return torch.exp(torch.logsumexp(2.0 * logits, dim=-1) - 2.0 * torch.logsumexp(logits, dim=-1))
+
+
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """``Σ values·mask`` (over ``dim``, or everything); positions where the mask is 0 are never read."""
     valid = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)) * mask

@@ -11,8 +11,19 @@ the same tokens differ — another engine, another precision, or (with
 * **TIS** (truncated importance sampling; ``is_level="token"`` or
   ``"sequence"``) weights each token's loss by ``sg(min(ρ, C))`` — the token's
   own ratio, or the product over its sequence.
+  With a ``"lower_upper"`` threshold (``"0.5_2.0"``) the weights are verl's
+  two-sided **IcePop**: ``ρ`` where it lies in ``[lower, upper]``, 0 elsewhere.
 * **MIS** (masked importance sampling; ``rs_level``) drops the tokens (or whole
   sequences) whose ratio lies outside ``[lower, upper]`` from the loss.
+* **Divergence-based rejection** (``rs_level`` one or more of verl's
+  ``rollout_rs`` options, comma separated, all of which must pass):
+  ``token_k{1,2,3}``, ``seq_sum_k{1,2,3}``, ``seq_mean_k{1,2,3}``,
+  ``seq_max_k{2,3}`` bound a KL estimator of ``π_rollout ‖ π_train`` per token,
+  or its sum / mean / max over the sequence: k1 ``= -log ρ`` within
+  ``[log lower, log upper]`` (threshold ``"lower_upper"``, or ``upper`` with
+  ``lower = 1/upper``), k2 ``= ½ log² ρ`` and k3 ``= ρ - 1 - log ρ`` at most
+  the threshold. ``rs_threshold`` is one spec shared by every option or one per
+  option, comma separated (``"0.01,2.0"``).
 
 Same conventions as verl's ``rollout_corr_helper`` (ratios clamped to
 ``exp(±20)`` before exponentiating, weights zero on padding, detached).
@@ -38,6 +49,9 @@ from operators.algos.functional import masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0
 Level = Literal["token", "sequence"]
+#: verl's divergence-based rejection options (``algorithm.rollout_correction.rollout_rs``)
+RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 
 class RolloutCorrection(NamedTuple):
@@ -72,8 +86,8 @@ def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
 
 def masked_max(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """The largest value under the mask (0 when the mask is empty)."""
-    picked = values.masked_fill(~mask.bool(), float("-inf"))
-    top = picked.max() if picked.numel() else torch.tensor(float("-inf"))
+    top = masked_max_rows(values.reshape(1, -1), mask.reshape(1, -1))[0] if values.numel() \
+        else torch.tensor(float("-inf"))
     return torch.where(torch.isinf(top), torch.zeros_like(top), top)
 
 
@@ -83,40 +97,146 @@ def rollout_correction(
     response_mask: torch.Tensor,
     *,
     is_level: Level | None = None,
-    is_threshold: float = 2.0,
-    rs_level: Level | None = None,
-    rs_threshold: float = 2.0,
+    is_threshold: float | str = 2.0,
+    rs_level: str | None = None,
+    rs_threshold: float | str = 2.0,
     rs_threshold_lower: float | None = None,
 ) -> RolloutCorrection:
-    """TIS weights and the MIS mask for one batch, with the mismatch metrics.
+    """TIS (or IcePop) weights and the rejection mask for one batch, with the mismatch metrics.
 
-    ``is_threshold`` is TIS's cap ``C``; MIS keeps ``ρ ∈ [rs_threshold_lower,
-    rs_threshold]`` (lower defaults to ``1 / rs_threshold``), per token or per
-    sequence (``ρ_seq = Π_t ρ_t``). Metrics: see :func:`mismatch_metrics`,
-    plus ``rollout_corr/is_weight_mean``/``max`` (what the loss is weighted
-    by, after truncation) and ``rollout_corr/rs_masked_fraction``.
+    ``is_threshold`` is TIS's cap ``C``, or ``"lower_upper"`` for IcePop. With
+    ``rs_level`` ``"token"`` / ``"sequence"``, MIS keeps ``ρ ∈ [rs_threshold_lower,
+    rs_threshold]`` (lower defaults to ``1 / rs_threshold``) per token or per
+    sequence (``ρ_seq = Π_t ρ_t``); any other ``rs_level`` is a comma-separated
+    list of :data:`RS_OPTIONS` (see the module doc). Metrics: see
+    :func:`mismatch_metrics`, plus ``rollout_corr/is_weight_mean``/``max`` (what
+    the loss is weighted by, after truncation), ``rollout_corr/rs_masked_fraction``
+    and, per divergence option, ``rollout_corr/rs_<option>_{mean,max,masked_fraction,seq_masked_fraction}``.
     """
-    if is_threshold <= 0 or rs_threshold <= 0:
-        raise ValueError(f"rollout correction thresholds must be > 0, got is={is_threshold}, rs={rs_threshold}")
+    is_upper, is_lower = parse_is_threshold(is_threshold)
     log_ratio = (train_log_prob - rollout_log_prob).detach()
-    metrics = mismatch_metrics(train_log_prob, rollout_log_prob, response_mask, is_threshold)
+    metrics = mismatch_metrics(train_log_prob, rollout_log_prob, response_mask, is_upper)
     weights = None
     if is_level is not None:
         raw = torch.where(response_mask.bool(), _level_ratio(log_ratio, response_mask, is_level), 0.0)
-        weights = raw.clamp(max=is_threshold)
+        if is_lower is None:
+            weights = raw.clamp(max=is_upper)
+        else:  # IcePop: a token (sequence) outside the band gets no weight at all
+            weights = torch.where((raw >= is_lower) & (raw <= is_upper), raw, 0.0)
+            metrics["rollout_corr/is_oob_fraction"] = float(masked_mean(
+                ((raw < is_lower) | (raw > is_upper)).float(), response_mask))
         metrics["rollout_corr/is_weight_mean"] = float(masked_mean(weights, response_mask))
         metrics["rollout_corr/is_weight_max"] = float(masked_max(weights, response_mask))
         metrics["rollout_corr/is_raw_weight_max"] = float(masked_max(raw, response_mask))
     mask = response_mask
-    if rs_level is not None:
-        lower = 1.0 / rs_threshold if rs_threshold_lower is None else rs_threshold_lower
-        if lower > rs_threshold:
-            raise ValueError(f"MIS bounds: lower {lower} > upper {rs_threshold}")
+    if rs_level in ("token", "sequence"):
+        upper = float(rs_threshold)
+        if upper <= 0:
+            raise ValueError(f"MIS threshold must be > 0, got {upper}")
+        lower = 1.0 / upper if rs_threshold_lower is None else rs_threshold_lower
+        if lower > upper:
+            raise ValueError(f"MIS bounds: lower {lower} > upper {upper}")
         ratio = _level_ratio(log_ratio, response_mask, rs_level)
-        keep = (ratio >= lower) & (ratio <= rs_threshold)
+        keep = (ratio >= lower) & (ratio <= upper)
         mask = response_mask * keep.to(response_mask.dtype)
         metrics["rollout_corr/rs_masked_fraction"] = float(masked_mean((~keep).float(), response_mask))
+    elif rs_level is not None:
+        mask, rs_metrics = divergence_rejection(log_ratio, response_mask, rs_level, rs_threshold)
+        metrics.update(rs_metrics)
     return RolloutCorrection(weights, mask, metrics)
+
+
+def parse_is_threshold(spec: float | str) -> tuple[float, float | None]:
+    """``(upper, lower or None)`` from TIS's cap (``2.0``) or IcePop's band (``"0.5_2.0"``)."""
+    if isinstance(spec, bool):
+        raise ValueError("rollout_is_threshold is a number (TIS cap) or 'lower_upper' (IcePop), not a boolean")
+    text = str(spec).strip()
+    try:
+        lower, upper = (float(x) for x in text.split("_", 1)) if "_" in text else (None, float(text))
+    except ValueError:
+        raise ValueError(f"rollout_is_threshold {spec!r}: give a number (TIS cap, e.g. 2.0) or "
+                         "'lower_upper' (IcePop band, e.g. '0.5_2.0')") from None
+    if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+        raise ValueError(f"rollout_is_threshold {spec!r}: bounds must be positive with lower <= upper")
+    return upper, lower
+
+
+def parse_rs_thresholds(options: str, spec: float | str) -> dict[str, tuple[float | None, float]]:
+    """``{option: (lower or None, upper)}`` for a comma-separated list of :data:`RS_OPTIONS`.
+
+    ``spec`` is one threshold shared by every option or one per option
+    (comma separated); k1 options take ``"lower_upper"`` or ``upper`` (lower =
+    1/upper), the others one upper bound.
+    """
+    names = list(dict.fromkeys(o.strip() for o in str(options).split(",") if o.strip()))
+    unknown = [n for n in names if n not in RS_OPTIONS]
+    if not names or unknown:
+        raise ValueError(f"rollout_rs {options!r}: unknown option(s) {', '.join(unknown) or '(none given)'}; "
+                         f"use 'token' or 'sequence' (ratio bounds) or any of {', '.join(RS_OPTIONS)}, "
+                         "comma separated")
+    specs = [s.strip() for s in str(spec).split(",") if s.strip()]
+    if len(specs) not in (1, len(names)):
+        raise ValueError(f"rollout_rs_threshold {spec!r}: give one threshold for all {len(names)} rollout_rs "
+                         "options, or one per option (comma separated)")
+    out = {}
+    for name, text in zip(names, specs * len(names) if len(specs) == 1 else specs):
+        try:
+            if name.endswith("k1"):
+                lower, upper = (float(x) for x in text.split("_", 1)) if "_" in text else (1 / float(text),
+                                                                                          float(text))
+            elif "_" in text:
+                raise ValueError
+            else:
+                lower, upper = None, float(text)
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"rollout_rs_threshold {text!r} for {name}: "
+                             + ("'lower_upper' or one number" if name.endswith("k1") else "one number")) from None
+        if upper <= 0 or (lower is not None and not 0 < lower <= upper):
+            raise ValueError(f"rollout_rs_threshold {text!r} for {name}: bounds must be positive, lower <= upper")
+        out[name] = (lower, upper)
+    return out
+
+
+def divergence_rejection(log_ratio: torch.Tensor, response_mask: torch.Tensor, options: str,
+                         thresholds: float | str) -> tuple[torch.Tensor, dict[str, float]]:
+    """The response mask without the tokens (sequences) some option rejects, and per-option metrics."""
+    safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    per_token = {"k1": -safe, "k2": 0.5 * safe.square(), "k3": safe.exp() - 1.0 - safe}
+    valid = response_mask.bool()
+    has_tokens = valid.any(-1)
+    keep_all = torch.ones_like(valid)
+    metrics: dict[str, float] = {}
+    for name, (lower, upper) in parse_rs_thresholds(options, thresholds).items():
+        level, kind = name.rsplit("_", 1)
+        token_stat = per_token[kind]
+        if level == "token":
+            stat = token_stat
+        elif level == "seq_sum":
+            stat = masked_sum(token_stat, response_mask, dim=-1)
+        elif level == "seq_mean":
+            stat = masked_mean(token_stat, response_mask, dim=-1)
+        else:
+            stat = torch.where(has_tokens, masked_max_rows(token_stat, response_mask), 0.0)
+        lo, hi = (math.log(lower), math.log(upper)) if kind == "k1" else (None, upper)
+        keep = (stat <= hi) if lo is None else (stat >= lo) & (stat <= hi)
+        if level != "token":
+            keep, stat = keep.unsqueeze(-1).expand_as(valid), stat.unsqueeze(-1).expand_as(log_ratio)
+        keep_all &= keep
+        rejected_rows = (~keep & valid).any(-1)
+        prefix = f"rollout_corr/rs_{name}"
+        metrics[f"{prefix}_mean"] = float(masked_mean(stat, response_mask))
+        metrics[f"{prefix}_max"] = float(masked_max(stat, response_mask))
+        metrics[f"{prefix}_masked_fraction"] = float(masked_mean((~keep).float(), response_mask))
+        metrics[f"{prefix}_seq_masked_fraction"] = float(rejected_rows[has_tokens].float().mean()) \
+            if has_tokens.any() else 0.0
+    metrics["rollout_corr/rs_masked_fraction"] = float(masked_mean((~keep_all).float(), response_mask))
+    metrics["rollout_corr/rs_seq_masked_fraction"] = float((~keep_all & valid).any(-1).float().mean())
+    return response_mask * keep_all.to(response_mask.dtype), metrics
+
+
+def masked_max_rows(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's largest value under the mask (-inf for a row without one)."""
+    return values.masked_fill(~mask.bool(), float("-inf")).max(-1).values
 
 
 def _level_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: Level) -> torch.Tensor:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from operators.algos.functional import entropy_from_logits, logprobs_from_logits
+from operators.algos.functional import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
 
 
 def response_log_probs(
@@ -38,12 +38,37 @@ def response_log_probs(
     Gradients flow unless the caller wraps it in ``torch.no_grad()`` (old/ref log-probs).
     Use the rollout's temperature, so the result matches ``rollout_log_probs``.
     """
+    logits = response_logits(model, input_ids, attention_mask, position_ids, response_length, temperature)
+    log_probs = logprobs_from_logits(logits, input_ids[:, -response_length:])
+    return log_probs, entropy_from_logits(logits) if with_entropy else None
+
+
+def response_log_probs_and_sum_pi_squared(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    temperature: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_probs[B, R], sum_pi_squared[B, R])``: also ``Σ_v π(v)²`` at each response token, as verl's
+    ``actor.calculate_sum_pi_squared`` gives it (same temperature-scaled distribution), from one forward."""
+    logits = response_logits(model, input_ids, attention_mask, position_ids, response_length, temperature)
+    return logprobs_from_logits(logits, input_ids[:, -response_length:]), sum_pi_squared_from_logits(logits)
+
+
+def response_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    response_length: int,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """``logits[B, R, V] / T`` in fp32 at the positions that predict the response tokens."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
     temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report T = 1 log-probs
-    logits = logits[:, -response_length - 1:-1].float() / temperature
-    responses = input_ids[:, -response_length:]
-    log_probs = logprobs_from_logits(logits, responses)
-    return log_probs, entropy_from_logits(logits) if with_entropy else None
+    return logits[:, -response_length - 1:-1].float() / temperature
 
 
 def response_values(

@@ -30,6 +30,7 @@ _HOME = {
     "RewardFnError": "operators.rewards.user_fn",
     "load_reward_fn": "operators.rewards.user_fn",
     "split_score": "operators.rewards.user_fn",
+    "extra_info_rows": "operators.rewards.scoring",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
@@ -37,6 +38,7 @@ __all__ = [
     "RewardModelScorer", "last_token_index",
     "exact_match_score", "extract_gsm8k_answer", "gsm8k_score", "partial_match_score",
     "positional_match", "task_token_score", "token_reward",
-    "NAMED_REWARDS", "auto_reward_fn", "compute_scores", "extra_metrics", "place_at_last_token", "resolve_reward_fn",
+    "NAMED_REWARDS", "auto_reward_fn", "compute_scores", "extra_info_rows", "extra_metrics", "place_at_last_token",
+    "resolve_reward_fn",
     "RewardFnError", "load_reward_fn", "split_score",
 ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -162,6 +163,20 @@ def extra_metrics(extras: dict[str, list], prefix: str = "reward") -> dict[str, 
         numbers = [float(v) for v in values if isinstance(v, (int, float, bool)) and not isinstance(v, str)]
         if numbers:
             out[f"{prefix}/{key}/mean"] = sum(numbers) / len(numbers)
+    return out
+
+
+def extra_info_rows(extras: dict[str, list], rows: int) -> np.ndarray:
+    """``object[B]``: each response's own extras as a dict (keys its result did not have are left out).
+
+    Example::
+
+        >>> extra_info_rows({"acc": [1.0, None], "fmt": [0.5, 1.0]}, 2).tolist()
+        [{'acc': 1.0, 'fmt': 0.5}, {'fmt': 1.0}]
+    """
+    out = np.empty(rows, dtype=object)
+    for i in range(rows):
+        out[i] = {key: values[i] for key, values in extras.items() if values[i] is not None}
     return out
 
 
