@@ -475,7 +475,7 @@ def test_a_verl_multiturn_parquet_trains_through_the_graph_with_a_user_tool(tmp_
     tiny_tools._warmed_up_state.cache_clear()
     (tmp_path / "mytools.py").write_text("def calc(x: int) -> int:\n    '''Echo.'''\n    return x\n")
     rows = [{"data_source": "openai/gsm8k",
-             "prompt": [{"role": "system", "content": "use the tool"}, {"role": "user", "content": f"{a}+1="}],
+             "prompt": [{"role": "system", "content": "call the tool"}, {"role": "user", "content": f"{a}+1="}],
              "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(a + 1)},
              "extra_info": {"index": a, "split": "train", "tools_kwargs": {"calc": {"create_kwargs": {"x": a}}},
                             "interaction_kwargs": {"query": f"{a}+1="}}} for a in range(8)]

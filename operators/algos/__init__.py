@@ -52,14 +52,14 @@ _HOME = {
     "policy_loss": "operators.algos.losses",
     "register_policy_loss": "operators.algos.losses",
     "value_loss": "operators.algos.losses",
-    "RolloutCorrection": "operators.algos.rollout_correction",
-    "mismatch_metrics": "operators.algos.rollout_correction",
-    "rollout_correction": "operators.algos.rollout_correction",
+    "RolloutCorrection": "operators.algos.correction",
+    "mismatch_metrics": "operators.algos.correction",
+    "rollout_correction": "operators.algos.correction",
     "sum_pi_squared_from_logits": "operators.algos.functional",
-    "RS_OPTIONS": "operators.algos.rollout_correction",
-    "divergence_rejection": "operators.algos.rollout_correction",
-    "parse_is_threshold": "operators.algos.rollout_correction",
-    "parse_rs_thresholds": "operators.algos.rollout_correction",
+    "RS_OPTIONS": "operators.algos.correction",
+    "divergence_rejection": "operators.algos.correction",
+    "parse_is_threshold": "operators.algos.correction",
+    "parse_rs_thresholds": "operators.algos.correction",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
 

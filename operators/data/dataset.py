@@ -231,8 +231,8 @@ class PromptDataset:
             unk = self.tokenizer.unk_token_id
             if unk is not None and unk in ids:
                 # a closed vocabulary (builtin:tiny's) would silently read the word as <unk>
-                vocab = self.tokenizer.get_vocab()
-                words = sorted({w for m in messages for w in str(m.get("content", "")).split() if w not in vocab})
+                words = sorted({w for m in messages for w in str(m.get("content", "")).split()
+                                if unk in self.tokenizer.encode(w, add_special_tokens=False)})
                 raise DatasetError(
                     f"{where}: the prompt has words outside the tokenizer's vocabulary "
                     f"({', '.join(repr(w) for w in words[:8]) or 'some characters'}), which would be read as "
