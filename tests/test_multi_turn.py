@@ -62,13 +62,13 @@ class ScriptedEngine(RolloutEngine):
         raise NotImplementedError
 
     def update_weights(self, state_dict):
-        pass
+        """A scripted engine has no weights to load."""
 
     def release_memory(self):
-        pass
+        """Nor memory to release or take back."""
 
     def resume_memory(self):
-        pass
+        """Nor memory to release or take back."""
 
 
 def run(script, prompts, config=None, tools=None, environment=None, tools_kwargs=None, interaction_kwargs=None):

@@ -21,6 +21,7 @@ A simulated user is an :class:`Interaction`: an environment whose step is
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ class EnvStep:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-class Environment:
+class Environment(abc.ABC):
     """A task that is not a tool call: reset → observation, step(action) → :class:`EnvStep`.
 
     ``kwargs`` are the sample's ``interaction_kwargs``; ``role`` is the role
@@ -54,9 +55,9 @@ class Environment:
         """The first observation (a user turn before the first generation), or ``None``."""
         return None
 
+    @abc.abstractmethod
     async def step(self, action: str) -> EnvStep:
         """The assistant's text → what happens next."""
-        raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     async def close(self) -> None:
         """Release what the environment holds."""
@@ -68,6 +69,6 @@ class Interaction(Environment):
     async def step(self, action: str) -> EnvStep:
         return await self.respond(self.messages)
 
+    @abc.abstractmethod
     async def respond(self, messages: list[dict[str, Any]]) -> EnvStep:
         """The conversation so far (the assistant's turn last) → the user's reply."""
-        raise NotImplementedError(f"{type(self).__name__} must implement respond()")

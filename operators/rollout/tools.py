@@ -29,6 +29,7 @@ A YAML tool config (verl's layout) names classes or functions::
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import functools
 import importlib
@@ -54,7 +55,7 @@ class ToolResult(NamedTuple):
     metrics: dict = {}
 
 
-class BaseTool:
+class BaseTool(abc.ABC):
     """A tool with per-conversation state (verl's ``BaseTool`` API).
 
     Subclass it and override :meth:`execute` (and :meth:`create`,
@@ -100,9 +101,9 @@ class BaseTool:
         self._instances[instance_id] = dict(create_kwargs)
         return instance_id
 
+    @abc.abstractmethod
     async def execute(self, instance_id: str, parameters: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         """Run one call; the text goes back to the model."""
-        raise NotImplementedError(f"{type(self).__name__} must implement execute()")
 
     async def calc_reward(self, instance_id: str, **calc_reward_kwargs: Any) -> float:
         """The tool's reward for the whole conversation, added to the step rewards (0 by default)."""
