@@ -220,11 +220,7 @@ OTB_INPUTS = {**GROUPED, "old_log_probs": "float32[B, R]", "sum_pi_squared": "fl
           dumped=("uid", "advantages"))
 def optimal_token_baseline(batch, p: OptimalTokenBaseline):
     """A_t = G_t − Σ_g G_t W_t / Σ_g W_t,  W_t = Σ_{j≤t} 1 − 2π_j + Σ_v π_v²  (per group and position)."""
-    adv, ret = optimal_token_baseline_advantages(
-        batch["token_level_rewards"], batch["response_mask"], batch["uid"], batch["old_log_probs"],
-        batch["sum_pi_squared"], batch["rollout_is_weights"] if "rollout_is_weights" in batch else None,
-        p.handle_zero_tail, p.epsilon)
-    return _out(adv, ret, batch["response_mask"])
+    return _optimal_token_baseline(optimal_token_baseline_advantages, batch, p)
 
 
 @operator("advantage.tir_optimal_token_baseline", scope="group", node_name="advantage",
@@ -232,7 +228,11 @@ def optimal_token_baseline(batch, p: OptimalTokenBaseline):
           optional_inputs=("rollout_is_weights",), dumped=("uid", "advantages"))
 def tir_optimal_token_baseline(batch, p: OptimalTokenBaseline):
     """The optimal token baseline over each response's valid (model) tokens, packed (multi-turn)."""
-    adv, ret = tir_optimal_token_baseline_advantages(
+    return _optimal_token_baseline(tir_optimal_token_baseline_advantages, batch, p)
+
+
+def _optimal_token_baseline(estimator, batch, p: OptimalTokenBaseline):
+    adv, ret = estimator(
         batch["token_level_rewards"], batch["response_mask"], batch["uid"], batch["old_log_probs"],
         batch["sum_pi_squared"], batch["rollout_is_weights"] if "rollout_is_weights" in batch else None,
         p.handle_zero_tail, p.epsilon)
