@@ -26,8 +26,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from flowrl.graph import role_kind
 from operators.models import OptimConfig, build_optimizer, clip_grad_norm, load_model
+from torch.distributed.tensor import DTensor
+
 from operators.models.data_parallel import LossNorm, data_parallel_forward, pass_count
-from operators.models.fsdp import full_state_dict, shard_model, unsharded
+from operators.models.fsdp import full_state_dict, shard_model, state_bytes, unsharded
 from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
 from operators.rewards import RewardModelScorer
 
@@ -195,6 +197,10 @@ class TrainableRole:
         micro_batches = [trim(batch[rows], max(1, int(lengths[rows].max()))) for rows in splits]
         return restore(data_parallel_forward(micro_batches, fn, self.group), splits, width)
 
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and optimizer state on this rank (its shards, when sharded)."""
+        return state_bytes(self.model, self.optimizer)
+
     def get_weights(self) -> dict[str, torch.Tensor] | None:
         """The full weights, on CPU. Sharded: a collective on every rank, the dict on rank 0 (None elsewhere)."""
         return full_state_dict(self.model, self.group)
@@ -203,21 +209,53 @@ class TrainableRole:
         self.model.load_state_dict(weights)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint needs to continue exactly."""
-        state: dict[str, Any] = {"model": self.model.state_dict(), "updates": self.updates,
+        """Everything a checkpoint needs to continue exactly.
+
+        Sharded: each rank's own shards of the model and optimizer state, as plain
+        tensors (no collective; a checkpoint loads into a pool of the same size).
+        """
+        state: dict[str, Any] = {"model": _local(self.model.state_dict()), "updates": self.updates,
                                  "extra_state": self.extra_state}
         if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+            optim = self.optimizer.state_dict()
+            state["optimizer"] = {**optim, "state": {i: _local(s) for i, s in optim["state"].items()}}
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        if self.group.world_size > 1:
+            with torch.no_grad():
+                for name, target in self.model.state_dict().items():
+                    _local_of(target).copy_(state["model"][name])
+        else:
+            self.model.load_state_dict(state["model"])
         self.updates = state.get("updates", 0)
         self.extra_state = dict(state.get("extra_state", {}))
         if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            optim = state["optimizer"]
+            if self.group.world_size > 1:  # each shard back into a DTensor shaped like its parameter
+                params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                optim = {**optim, "state": {i: {k: _sharded_like(params[int(i)], v) for k, v in s.items()}
+                                            for i, s in optim["state"].items()}}
+            self.optimizer.load_state_dict(optim)
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _local_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every (sharded) tensor as a plain copy of this rank's part."""
+    return {k: _local_of(v).detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def _sharded_like(param: torch.Tensor, value: Any) -> Any:
+    """A saved shard of optimizer state as a DTensor laid out like ``param`` (scalars stay plain)."""
+    if not isinstance(param, DTensor) or not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def _mini_batches(order: torch.Tensor, total: int, mini: int, world: int) -> list[torch.Tensor]:

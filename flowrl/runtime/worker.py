@@ -335,6 +335,11 @@ class Worker:
             self._set_version(owner)
         return len(state["roles"])
 
+    def held_bytes(self) -> dict[str, dict[str, int]]:
+        """Per role that can say: the bytes of parameters and optimizer state this rank holds."""
+        return {name: self.roles[name].held_bytes() for name, owner in self.owner.items()
+                if owner == name and hasattr(self.roles[name], "held_bytes")}
+
     def ping(self) -> int:
         return os.getpid()
 
