@@ -15,19 +15,18 @@ Example YAML::
 
 from __future__ import annotations
 
+import contextlib
+import math
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
-import contextlib
-import math
-
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from flowrl.graph import role_kind
 from operators.models import OptimConfig, build_optimizer, clip_grad_norm, load_model
-from torch.distributed.tensor import DTensor
-
 from operators.models.data_parallel import LossNorm, data_parallel_forward, pass_count
 from operators.models.fsdp import full_state_dict, shard_model, state_bytes, unsharded
 from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
@@ -175,7 +174,7 @@ class TrainableRole:
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if mini < total else torch.arange(n)
             for rows in _mini_batches(order, total, mini, group.world_size):
-                for k, v in self.step(lambda: accumulate(rows)).items():
+                for k, v in self.step(lambda rows=rows: accumulate(rows)).items():
                     totals.setdefault(k, []).append(v)
         return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in totals.items()}
 
@@ -206,7 +205,13 @@ class TrainableRole:
         return full_state_dict(self.model, self.group)
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(weights)
+        """Load full weights (another pool's :meth:`get_weights`); sharded: each rank copies its part."""
+        if self.group.world_size == 1:
+            self.model.load_state_dict(weights)
+            return
+        with torch.no_grad():
+            for name, target in self.model.state_dict().items():
+                _local_of(target).copy_(_part_of(target, weights[name]))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a checkpoint needs to continue exactly.
@@ -248,6 +253,14 @@ def _local_of(tensor: torch.Tensor) -> torch.Tensor:
 def _local(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with every (sharded) tensor as a plain copy of this rank's part."""
     return {k: _local_of(v).detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def _part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full``, laid out as the (sharded) ``target``; no communication."""
+    if not isinstance(target, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 def _sharded_like(param: torch.Tensor, value: Any) -> Any:

@@ -99,9 +99,21 @@ def test_each_rank_holds_half_the_parameters_and_a_killed_rank_is_named(ray_sess
         held = [rt.backend.get(rt.backend.call("train", r, "held_bytes")) for r in range(2)]
         assert [h["actor"]["params"] for h in held] == [pytest.approx(whole / 2, rel=0.01)] * 2
         assert all(h["actor"]["optimizer"] == 0 for h in held)  # no step yet
-        rt.run_step(first_batch(g))
+        result = rt.run_step(first_batch(g))
+        # the colocated rollout generated on gathered weights: it took the other half, and gave it back
+        half_mb = whole / 2 / 2**20
+        assert result.metrics["rollout/unshard_taken_mb"] == pytest.approx(half_mb, rel=0.01)
+        assert result.metrics["rollout/unshard_freed_mb"] == pytest.approx(half_mb, rel=0.01)
         after = [rt.backend.get(rt.backend.call("train", r, "held_bytes")) for r in range(2)]
         assert [h["actor"]["optimizer"] for h in after] == [pytest.approx(2 * whole / 2, rel=0.01)] * 2  # Adam
+        # full weights from elsewhere (another pool's gather) load into the shards, and gather back the same
+        gather = lambda: rt.backend.get_many([rt.backend.call("train", r, "get_weights", "actor")  # noqa: E731
+                                              for r in range(2)])[0]  # a collective: every rank
+        weights, _ = gather()
+        moved = {k: v + 0.5 for k, v in weights.items()}
+        rt.backend.get_many([rt.backend.call("train", r, "set_weights", "actor", (moved, 7)) for r in range(2)])
+        again, version = gather()
+        assert version == 7 and all(torch.equal(again[k], moved[k]) for k in moved)
         os.kill(rt.backend.pids[("train", 1)], signal.SIGKILL)  # rank 1 dies between steps; rank 0 meets no one
         with pytest.raises(RuntimeFailure) as err:
             rt.run_step(first_batch(g), step=1)
