@@ -15,15 +15,21 @@ Example YAML::
 
 from __future__ import annotations
 
+import contextlib
+import math
 from pathlib import Path
-from typing import Annotated, Any, Callable, Literal, NamedTuple
+from typing import Annotated, Any, Callable, Literal
 
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from flowrl.graph import role_kind
 from operators.models import (ModelLoadError, OptimConfig, build_optimizer, check_model_spec, clip_grad_norm,
                               load_model)
+from operators.models.data_parallel import LossNorm, data_parallel_forward, pass_count
+from operators.models.fsdp import full_state_dict, shard_model, state_bytes, unsharded
 from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
 from operators.rewards import RewardModelScorer
 
@@ -64,30 +70,35 @@ class ModelRoleConfig(BaseModel):
         "micro-batch cut to its longest response (verl's use_dynamic_bsz); none: micro_batch_size rows, full width")
 
 
-class LossNorm(NamedTuple):
-    """What a micro-batch's loss is normalised by: its mini-batch's counts, not its own.
-
-    ``tokens``: real response tokens (``response_mask`` ones) of the mini-batch;
-    ``seqs``: its rows with at least one. The losses of the micro-batches then
-    sum to the mini-batch's loss, however ragged the micro-batches are.
-    """
-
-    tokens: float
-    seqs: float
-
-    def weight(self, mask: torch.Tensor) -> float:
-        """A micro-batch's share of the mini-batch's tokens: the weight of a mean over its tokens."""
-        return float(mask.sum()) / max(self.tokens, 1.0)
-
-
 class ActorConfig(ModelRoleConfig):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
 
+class _NoGroup:
+    """The group of a role that shares none (a pool of one, or the local backend's threads)."""
+
+    rank, world_size = 0, 1
+
+    def all_reduce(self, tensor: torch.Tensor, name: str = "", op: str = "sum") -> torch.Tensor:
+        return tensor
+
+    def guard(self, name: str):
+        return contextlib.nullcontext()
+
+
 class TrainableRole:
-    """A model, its optimizer (unless frozen), and an optimizer step with grad clipping."""
+    """A model, its optimizer (unless frozen), and an optimizer step with grad clipping.
+
+    On a pool whose ranks form a process group (``ctx.group`` of N > 1) the
+    model is sharded with FSDP2 before the optimizer is built (rank 0's initial
+    weights on every rank), and :meth:`fit` / :meth:`forward` are data
+    parallel: each rank runs its rows, every rank the same number of passes.
+    """
 
     def __init__(self, model: torch.nn.Module, cfg: ModelRoleConfig, ctx: Any) -> None:
+        self.group = getattr(ctx, "group", None) or _NoGroup()
+        if self.group.world_size > 1:
+            model = shard_model(model, self.group)
         self.model, self.cfg, self.ctx = model, cfg, ctx
         self.version = 0
         self.updates = 0
@@ -105,7 +116,8 @@ class TrainableRole:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         backward()
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
+        with self.group.guard("update: grad norm"):  # the global norm over every rank's shards
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -130,8 +142,11 @@ class TrainableRole:
         at full width. Returns the metrics averaged over mini-batches, plus
         ``grad_norm`` and ``lr``.
         """
+        group = self.group
         n = len(batch)
-        mini = min(mini_batch_size or n, n)
+        total = n if group.world_size == 1 else int(group.all_reduce(
+            torch.tensor([n], dtype=torch.int64), name="update: rows over ranks"))
+        mini = min(mini_batch_size or total, total)
         micro = min(micro_batch_size or mini, mini)
         budget = self.cfg.max_tokens_per_micro_batch
         prompt_length = batch["input_ids"].shape[1] - batch["responses"].shape[1]
@@ -141,24 +156,31 @@ class TrainableRole:
         totals: dict[str, list[float]] = {}
 
         def accumulate(mb_rows: torch.Tensor) -> None:
-            rows_mask = mask[mb_rows]
-            norm = LossNorm(tokens=float(rows_mask.sum()), seqs=float((rows_mask.sum(-1) > 0).sum()))
+            # one all-reduce: every rank's loss is normalised by the whole mini-batch's counts
+            norm = LossNorm.of([mask[mb_rows]], group)
+            parts = token_budget_split(lengths[mb_rows], prompt_length, budget, micro)
             sums: dict[str, float] = {}
-            for part in token_budget_split(lengths[mb_rows], prompt_length, budget, micro):
-                rows = mb_rows[part]
-                mb = batch[rows] if budget is None else trim(batch[rows], max(1, int(lengths[rows].max())))
-                loss, metrics = loss_fn(mb, norm)
-                loss.backward()
-                for k, v in metrics.items():
-                    v = float(v.detach()) if torch.is_tensor(v) else float(v)
-                    sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
-            for k, v in sums.items():
+            # a sharded forward is a collective: every rank runs as many passes as the busiest,
+            # a rank with fewer repeats its last micro-batch with no weight
+            with group.guard("update: forward/backward"):
+                for i in range(pass_count(parts, group)):
+                    rows = mb_rows[parts[min(i, len(parts) - 1)]]
+                    mb = batch[rows] if budget is None else trim(batch[rows], max(1, int(lengths[rows].max())))
+                    loss, metrics = loss_fn(mb, norm)
+                    if i >= len(parts):
+                        (loss * 0.0).backward()
+                        continue
+                    loss.backward()
+                    for k, v in metrics.items():
+                        v = float(v.detach()) if torch.is_tensor(v) else float(v)
+                        sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
+            for k, v in _reduce_metrics(sums, group).items():
                 totals.setdefault(k, []).append(v)
 
         for _ in range(epochs):
-            order = torch.randperm(n, generator=gen) if mini < n else torch.arange(n)
-            for start in range(0, n, mini):
-                for k, v in self.step(lambda: accumulate(order[start:start + mini])).items():
+            order = torch.randperm(n, generator=gen) if mini < total else torch.arange(n)
+            for rows in _mini_batches(order, total, mini, group.world_size):
+                for k, v in self.step(lambda rows=rows: accumulate(rows)).items():
                     totals.setdefault(k, []).append(v)
         return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in totals.items()}
 
@@ -172,37 +194,135 @@ class TrainableRole:
         are not tracked: this is for log-probs and values of a batch, not updates.
         """
         budget = self.cfg.max_tokens_per_micro_batch
-        with torch.no_grad():
-            if budget is None:
-                return fn(batch)
-            width = batch["responses"].shape[1]
-            lengths = response_lengths(batch)
-            splits = token_budget_split(lengths, batch["input_ids"].shape[1] - width, budget)
-            parts = [fn(trim(batch[rows], max(1, int(lengths[rows].max())))) for rows in splits]
-        return restore(parts, splits, width)
+        if budget is None:
+            return data_parallel_forward([batch], fn, self.group)[0]
+        width = batch["responses"].shape[1]
+        lengths = response_lengths(batch)
+        splits = token_budget_split(lengths, batch["input_ids"].shape[1] - width, budget)
+        micro_batches = [trim(batch[rows], max(1, int(lengths[rows].max()))) for rows in splits]
+        return restore(data_parallel_forward(micro_batches, fn, self.group), splits, width)
 
-    def get_weights(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes of parameters and optimizer state on this rank (its shards, when sharded)."""
+        return state_bytes(self.model, self.optimizer)
+
+    def get_weights(self) -> dict[str, torch.Tensor] | None:
+        """The full weights, on CPU. Sharded: a collective on every rank, the dict on rank 0 (None elsewhere)."""
+        return full_state_dict(self.model, self.group)
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(weights)
+        """Load full weights (another pool's :meth:`get_weights`); sharded: each rank copies its part."""
+        if self.group.world_size == 1:
+            self.model.load_state_dict(weights)
+            return
+        with torch.no_grad():
+            for name, target in self.model.state_dict().items():
+                _local_of(target).copy_(_part_of(target, weights[name]))
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything a checkpoint needs to continue exactly."""
-        state: dict[str, Any] = {"model": self.model.state_dict(), "updates": self.updates,
+        """Everything a checkpoint needs to continue exactly.
+
+        Sharded: each rank's own shards of the model and optimizer state, as plain
+        tensors (no collective; a checkpoint loads into a pool of the same size).
+        """
+        state: dict[str, Any] = {"model": _local(self.model.state_dict()), "updates": self.updates,
                                  "extra_state": self.extra_state}
         if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+            optim = self.optimizer.state_dict()
+            state["optimizer"] = {**optim, "state": {i: _local(s) for i, s in optim["state"].items()}}
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        if self.group.world_size > 1:
+            with torch.no_grad():
+                for name, target in self.model.state_dict().items():
+                    _local_of(target).copy_(state["model"][name])
+        else:
+            self.model.load_state_dict(state["model"])
         self.updates = state.get("updates", 0)
         self.extra_state = dict(state.get("extra_state", {}))
         if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            optim = state["optimizer"]
+            if self.group.world_size > 1:  # each shard back into a DTensor shaped like its parameter
+                params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                optim = {**optim, "state": {i: {k: _sharded_like(params[int(i)], v) for k, v in s.items()}
+                                            for i, s in optim["state"].items()}}
+            self.optimizer.load_state_dict(optim)
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def _local_of(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _local(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every (sharded) tensor as a plain copy of this rank's part."""
+    return {k: _local_of(v).detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def _part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``full``, laid out as the (sharded) ``target``; no communication."""
+    if not isinstance(target, DTensor):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def _sharded_like(param: torch.Tensor, value: Any) -> Any:
+    """A saved shard of optimizer state as a DTensor laid out like ``param`` (scalars stay plain)."""
+    if not isinstance(param, DTensor) or not torch.is_tensor(value) or value.dim() == 0:
+        return value
+    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def _mini_batches(order: torch.Tensor, total: int, mini: int, world: int) -> list[torch.Tensor]:
+    """This rank's rows of each mini-batch, cut from its shuffled ``order``.
+
+    One process: consecutive ``mini`` rows. ``world`` ranks: as many mini-batches
+    as ``total`` rows over all ranks make, each rank's rows cut into that many
+    near-equal runs, so every rank steps the same number of times.
+    """
+    if world == 1:
+        return [order[s:s + mini] for s in range(0, len(order), mini)]
+    count = math.ceil(total / mini)
+    per, extra = divmod(len(order), count)
+    bounds = [i * per + min(i, extra) for i in range(count + 1)]
+    return [order[bounds[i]:bounds[i + 1]] for i in range(count)]
+
+
+def _reduce_metrics(sums: dict[str, float], group: Any) -> dict[str, float]:
+    """One mini-batch's metric contributions summed over ranks (``*_max``: the largest)."""
+    if group.world_size == 1 or not sums:
+        return sums
+    keys = sorted(sums)
+    out: dict[str, float] = {}
+    for op in ("sum", "max"):
+        names = [k for k in keys if k.endswith("_max") == (op == "max")]
+        if names:
+            values = group.all_reduce(torch.tensor([sums[k] for k in names], dtype=torch.float64),
+                                      name=f"update metrics ({op})", op=op)
+            out.update(zip(names, values.tolist()))
+    return out
+
+
+class _UnshardedEngine:
+    """A rollout engine over a sharded model: each ``generate`` runs on full parameters
+    (one all-gather on entry, resharded after), ``memory`` the last change it made."""
+
+    def __init__(self, engine: Any, model: torch.nn.Module, group: Any) -> None:
+        self._engine, self._model, self._group = engine, model, group
+        self.memory = None
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        with unsharded(self._model, self._group) as change:
+            out = self._engine.generate(*args, **kwargs)
+        self.memory = change
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
 
 
 @role_kind("actor", config=ActorConfig)
@@ -231,6 +351,8 @@ class Actor(TrainableRole):
 
                 self._engine = HFRolloutEngine(self.model, self.tokenizer, seed=seed,
                                                drop_finished=self.cfg.rollout.drop_finished)
+                if self.group.world_size > 1:  # generation calls forward per token: gather once
+                    self._engine = _UnshardedEngine(self._engine, self.model, self.group)
         return self._engine
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:

@@ -26,8 +26,13 @@ def test_two_workers_split_rows_and_an_update_runs_on_every_rank():
     old = plan.tasks[("old_logprob", 0)]
     assert (old.ranks, old.collected, old.world) == ((0, 1), (0, 1), 2)
     update = plan.tasks[("update_actor", None)]
-    assert (update.ranks, update.collected) == ((0, 1), (0,))
+    # the ranks form a process group: data parallel, each rank its balanced share, all report
+    assert (update.ranks, update.collected, update.dispatch) == ((0, 1), (0, 1), "balanced")
     assert plan.tasks[("advantage", None)].ranks == (0,)  # a driver node runs once
+    # threads sharing one process (the local backend) form no group: each rank the whole batch
+    local = make_plan(load_graph("ppo", overrides={"pools.train.workers": 2}), data_parallel=False)
+    update = local.tasks[("update_actor", None)]
+    assert (update.ranks, update.collected, update.dispatch) == ((0, 1), (0,), "all")
 
 
 def test_flowrl_plan_prints_the_tasks(capsys):

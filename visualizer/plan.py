@@ -51,8 +51,10 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
         space = plan.spaces[name]
         rows = f"× {space.factor}" if space.factor > 1 else "prompts"
         sched.add_row(name, node.scope, f"{len(tasks)} micro-batches" if streamed else "1 (whole batch)",
-                      rows, node.op.dispatch if node.op else "?")
+                      rows, tasks[0].dispatch)
     parts.append(sched)
+    modes = sorted({t.dispatch for t in plan.tasks.values()})
+    parts.append(Text("dispatch: " + "; ".join(f"{m}: {get_mode(m).doc}" for m in modes), style="dim"))
 
     parts.append(render_tasks(plan, colors))
 

@@ -14,6 +14,12 @@ Built in:
 * ``all`` — every rank runs the whole batch (each keeps the same state); the
   result, and the metrics, are rank 0's.
 * ``driver`` — one run, on rank 0, with the whole batch.
+* ``balanced`` / ``balanced_groups`` — data parallel: every rank its rows of the
+  batch, assigned by :func:`~flowrl.data.balance.balance_ranks` so each holds
+  about the same number of real tokens (``balanced_groups`` keeps the rows of
+  one ``uid`` whole on one rank); every rank reports, and the outputs are put
+  back in the batch's row order. The plan picks these for the updates of a
+  pool whose ranks form a process group.
 
 A new mode (data-parallel with balanced tokens, say) registers a
 :class:`DispatchMode` with :func:`dispatch_mode`; nothing else changes.
@@ -111,6 +117,61 @@ def _whole(batch: "DataProto", rank: int, world: int) -> "DataProto":
     return batch
 
 
+#: the column a balanced split tags each row with (its index in the whole batch), so the
+#: outputs can be put back in order; the worker carries it from a task's input to its output
+ROW_INDEX = "_dispatch_row"
+
+
+def real_tokens(batch: "DataProto"):
+    """Each row's real token count (``attention_mask`` ones; else one per row)."""
+    import torch
+
+    if batch.batch is not None and "attention_mask" in batch.batch.keys():
+        return batch.batch["attention_mask"].sum(-1)
+    return torch.ones(len(batch), dtype=torch.int64)
+
+
+def balanced_rows(batch: "DataProto", world: int, keep_groups: bool) -> list[list[int]]:
+    """Each rank's row indices: balanced real tokens, ``uid`` groups whole when ``keep_groups``."""
+    from flowrl.data.balance import balance_ranks
+
+    groups = batch.non_tensor_batch.get("uid") if keep_groups else None
+    parts = balance_ranks(real_tokens(batch).tolist(), world, groups)
+    if len(batch) >= world and any(not p for p in parts):
+        raise DispatchError(f"balanced dispatch left a rank without rows ({[len(p) for p in parts]} of "
+                            f"{len(batch)} rows): every rank of a data-parallel pass needs one")
+    return parts
+
+
+def _balanced_split(keep_groups: bool) -> Callable[["DataProto", int, int], "DataProto"]:
+    def split(batch: "DataProto", rank: int, world: int) -> "DataProto":
+        import numpy as np
+
+        if world == 1:
+            return batch
+        rows = balanced_rows(batch, world, keep_groups)[rank]
+        part = batch[rows]
+        part.non_tensor_batch[ROW_INDEX] = np.asarray(rows, dtype=np.int64)
+        return part
+    return split
+
+
+def _collect_in_order(parts: list["DataProto"]) -> "DataProto":
+    """The ranks' outputs concatenated, then back in the whole batch's row order."""
+    return in_row_order(_concat(parts))
+
+
+def in_row_order(out: "DataProto") -> "DataProto":
+    """``out`` (ranks' outputs of a balanced task, concatenated) in the whole batch's row order,
+    without the :data:`ROW_INDEX` column; unchanged when it has none."""
+    import numpy as np
+
+    index = out.non_tensor_batch.pop(ROW_INDEX, None)
+    if index is None or len(out) == 0:
+        return out
+    return out[np.argsort(index, kind="stable").tolist()]
+
+
 SPLIT = dispatch_mode(DispatchMode(
     "split", runs_on=lambda world: list(range(world)), split=_split_rows,
     collected=lambda world: list(range(world)), collect=_concat,
@@ -123,5 +184,17 @@ DRIVER = dispatch_mode(DispatchMode(
     "driver", runs_on=lambda world: [0], split=_whole, collected=lambda world: [0], collect=_first,
     doc="one run on rank 0 with the whole batch"))
 
+BALANCED = dispatch_mode(DispatchMode(
+    "balanced", runs_on=lambda world: list(range(world)), split=_balanced_split(False),
+    collected=lambda world: list(range(world)), collect=_collect_in_order,
+    doc="data parallel: each rank rows of about equal real tokens; outputs in the batch's row order"))
+BALANCED_GROUPS = dispatch_mode(DispatchMode(
+    "balanced_groups", runs_on=lambda world: list(range(world)), split=_balanced_split(True),
+    collected=lambda world: list(range(world)), collect=_collect_in_order,
+    doc="data parallel: as balanced, each uid group whole on one rank; outputs in the batch's row order"))
 
-__all__ = ["DISPATCH_MODES", "DispatchError", "DispatchMode", "dispatch_mode", "get_mode", "rank_rows"]
+#: what the plan runs a node of dispatch ``all`` as, on a pool whose ranks form a process group
+DATA_PARALLEL = {"batch": "balanced", "row": "balanced", "group": "balanced_groups"}
+
+
+__all__ = ["BALANCED", "BALANCED_GROUPS", "DATA_PARALLEL", "ROW_INDEX", "balanced_rows", "in_row_order", "real_tokens", "DISPATCH_MODES", "DispatchError", "DispatchMode", "dispatch_mode", "get_mode", "rank_rows"]

@@ -67,6 +67,9 @@ class PoolConfig(_Strict):
     cpus: float = Field(1.0, ge=0)
     gpus: float = Field(0.0, ge=0)
     roles: list[str] = Field(default_factory=list)
+    backend: str = Field("cpu:gloo,cuda:nccl", description="torch.distributed backend per device type, "
+                         "for a pool of more than one worker")
+    timeout_s: float = Field(300.0, gt=0, description="how long one collective of the pool's group may wait")
 
 
 class DataConfig(BaseModel):

@@ -37,12 +37,17 @@ class PoolSpec:
     cpus: float
     gpus: float
     roles: list[RoleBuild]
+    backend: str = "cpu:gloo,cuda:nccl"  # torch.distributed, per device type (a pool of N > 1)
+    timeout_s: float = 300.0  # one collective's limit
 
 
 class Backend(abc.ABC):
     """Interface (see module docstring)."""
 
     name = "base"
+    #: whether a pool's workers are processes that form one torch.distributed group (data
+    #: parallel, sharded roles); otherwise every rank of a pool holds its own full roles
+    process_groups = False
 
     @abc.abstractmethod
     def start(self, pools: list[PoolSpec], nodes: dict[str, NodeEntry], seed: int, driver: bool = True) -> None:
@@ -250,7 +255,10 @@ class _Projection:
 # ---------------------------------------------------------------- ray
 @backend("ray")
 class RayBackend(Backend):
-    """One Ray actor per (pool, rank) in the pool's placement group."""
+    """One Ray actor per (pool, rank) in the pool's placement group; the actors of a pool
+    of N > 1 form one torch.distributed group before their roles are built."""
+
+    process_groups = True
 
     def __init__(self, address: str | None = None, placement_timeout_s: float = 60.0) -> None:
         self.address = address
@@ -335,7 +343,8 @@ class RayBackend(Backend):
                 self.actors[(p.name, rank)] = actor_cls.options(
                     num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy,
                     name=None, max_restarts=0,
-                ).remote(p.name, rank, p.workers, p.roles, nodes, seed, max(1, int(p.cpus)), p.gpus)
+                ).remote(p.name, rank, p.workers, p.roles, nodes, seed, max(1, int(p.cpus)), p.gpus, True)
+        self._form_groups(ray, [p for p in pools if p.workers > 1])
         if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
             self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
                 DRIVER, 0, 1, [], nodes, seed, 1)
@@ -343,6 +352,15 @@ class RayBackend(Backend):
         keys = list(self.actors)
         pids = ray.get([self.actors[k].ping.remote() for k in keys])
         self.pids = dict(zip(keys, pids))
+
+    def _form_groups(self, ray: Any, pools: list[PoolSpec]) -> None:
+        """Every pool of N > 1: rank 0 listens, all ranks join (at once) and build their roles."""
+        joins = []
+        for p in pools:
+            address = ray.get(self.actors[(p.name, 0)].listen.remote())
+            joins += [self.actors[(p.name, r)].join_group.remote(address, p.backend, p.timeout_s)
+                      for r in range(p.workers)]
+        ray.get(joins)
 
     def submit(self, pool: str, rank: int, call: Call, inputs: list[Any]) -> tuple[Any, Any]:
         return self.actors[(pool, rank)].execute.options(num_returns=2).remote(call, *inputs)

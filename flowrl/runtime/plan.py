@@ -44,7 +44,7 @@ from typing import Any
 
 import networkx as nx
 
-from flowrl.data.dispatch import get_mode
+from flowrl.data.dispatch import DATA_PARALLEL, get_mode
 from flowrl.graph import SOURCE, Graph
 from flowrl.runtime.staleness import Gate
 
@@ -149,8 +149,26 @@ class Plan:
         return simulate(self, costs)
 
 
-def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | None = None) -> Plan:
-    """Expand a checked graph into tasks and per-pool orders."""
+def _dispatch(node: Any, on_rank0: bool, world: int, data_parallel: bool) -> str:
+    """The dispatch mode a node's tasks run under (see :func:`make_plan`)."""
+    if on_rank0:
+        return "driver"
+    if data_parallel and world > 1 and node.op.dispatch == "all":
+        return DATA_PARALLEL[node.scope]
+    return node.op.dispatch
+
+
+def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | None = None,
+              data_parallel: bool = True) -> Plan:
+    """Expand a checked graph into tasks and per-pool orders.
+
+    ``data_parallel``: the ranks of a pool form one process group (the ray
+    backend), so a node declared ``dispatch="all"`` (an update) runs data
+    parallel instead: each rank its balanced share of the rows
+    (:data:`~flowrl.data.dispatch.DATA_PARALLEL` by the node's scope). Without
+    one (threads in one process) every rank keeps its own copy and gets the
+    whole batch, as declared.
+    """
     k = micro_batches or graph.config.schedule.micro_batches
     prompts = batch_size or graph.config.data.batch_size
     if k > prompts:
@@ -168,8 +186,8 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
         streams = node.scope in ("row", "group") and k > 1
         mbs: list[int | None] = list(range(k)) if streams else [None]
         # a light node moved onto a pool runs once, on its rank 0, like on the driver
-        mode = get_mode("driver" if pool == DRIVER or name in placement else node.op.dispatch)
         world = 1 if pool == DRIVER else graph.config.pools[pool].workers
+        mode = get_mode(_dispatch(node, pool == DRIVER or name in placement, world, data_parallel))
         for mb in mbs:
             task = Task(name, mb, pool, cost=node.cost / (k if mb is not None else 1),
                         dispatch=mode.name, ranks=tuple(mode.ranks(world)), collected=tuple(mode.collected(world)),

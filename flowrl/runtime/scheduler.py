@@ -80,10 +80,11 @@ class Runtime:
     ) -> None:
         graph.check(resources=resources).raise_if_errors()
         self.graph = graph
-        self.plan: Plan = make_plan(graph)
-        self.val_graph = validation
-        self.val_plan = make_plan(validation, micro_batches=1) if validation is not None else None
         self.backend = make_backend(backend, address) if isinstance(backend, str) else backend
+        dp = self.backend.process_groups
+        self.plan: Plan = make_plan(graph, data_parallel=dp)
+        self.val_graph = validation
+        self.val_plan = make_plan(validation, micro_batches=1, data_parallel=dp) if validation is not None else None
         self.timeline = Timeline()
         self.fetch = tuple(fetch)
         self.poll_s = poll_s
@@ -106,7 +107,8 @@ class Runtime:
         if self.val_graph is not None:
             nodes.update(_entries(self.val_graph, prefix="val:"))
             plans.append(self.val_plan)
-        pools = [PoolSpec(name, cfg.workers, cfg.cpus, cfg.gpus, self._role_builds(cfg.roles))
+        pools = [PoolSpec(name, cfg.workers, cfg.cpus, cfg.gpus, self._role_builds(cfg.roles), cfg.backend,
+                          cfg.timeout_s)
                  for name, cfg in g.config.pools.items()]
         # no idle driver process when every node runs in a pool
         driver = any(t.pool == DRIVER for p in plans for t in p.tasks.values())
@@ -248,7 +250,8 @@ class Runtime:
         if stateful:  # the next task of this node starts from its first rank's state after this one
             self._op_state[prefix + task.node] = st.first_report[task.key]
         if task.updates is not None and not prefix:
-            self.versions.updated(task.updates, t, task.pool, st.first_report[task.key], task.publishes)
+            self.versions.updated(task.updates, t, task.pool, st.first_report[task.key], task.publishes,
+                                  task.world if self.backend.process_groups else 1)
 
     # ------------------------------------------------------------------ waiting
     def _finish(self, st: _Step) -> StepResult:

@@ -81,12 +81,15 @@ class Versions:
         self.syncs: dict[tuple[str, int, str, int], Any] = {}  # (role, step, pool, rank) → set_weights
         self.restored_step = -1  # updates up to here happened before the checkpoint resumed from
 
-    def updated(self, role: str, t: int, pool: str, report: Any, publish: bool) -> None:
+    def updated(self, role: str, t: int, pool: str, report: Any, publish: bool, gather: int = 1) -> None:
         """The update of ``role`` at step ``t`` was submitted on ``pool`` (rank 0 reports
-        ``report``); ``publish``: another pool needs its weights, fetch them right behind it."""
+        ``report``); ``publish``: another pool needs its weights, fetch them right behind it.
+        ``gather``: how many of the pool's ranks take part (a sharded role's weights are
+        gathered by all of them and land on rank 0)."""
         self.updates[(role, t)] = report
         if publish:
-            self.weights[(role, t)] = self._call(pool, 0, "get_weights", role)
+            handles = [self._call(pool, rank, "get_weights", role) for rank in range(gather)]
+            self.weights[(role, t)] = handles[0]
 
     def gate(self, g: Gate, t: int, pool: str, rank: int) -> tuple[Any, Any | None] | None:
         """``(handle, new sync or None)``: what the task of step ``t`` on (pool, rank) waits

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.data import DataProto
-from flowrl.data.dispatch import get_mode
+from flowrl.data.dispatch import ROW_INDEX, get_mode, in_row_order
 from flowrl.data.expand import RowCountError, check_rows, expand_rows
 from flowrl.data.padding import concat_padded
 from flowrl.graph import OperatorSpec, Params
+from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
 
 
@@ -35,6 +36,9 @@ class RoleContext:
     seed: int
     frozen: bool = False
     device: str = "cpu"
+    #: the pool's process group (:class:`~flowrl.runtime.distributed.PoolGroup`): every rank of a
+    #: pool of N workers on the ray backend; a group of one where the ranks share no group
+    group: Any = None
 
 
 @dataclass
@@ -119,9 +123,10 @@ def assemble(inputs: list[DataProto], reads: tuple[ReadSpec, ...]) -> DataProto:
     i = 0
     for r in reads:
         # take the columns first: concatenating shards copies only what is read
-        shards = [dp.select(*_split_keys(dp, r.fields)) for dp in inputs[i : i + r.n]]
+        # (with the row index a balanced dispatch tagged them with, to put them back in order)
+        shards = [dp.select(*_split_keys(dp, r.fields + (ROW_INDEX,))) for dp in inputs[i : i + r.n]]
         i += r.n
-        dp = shards[0] if len(shards) == 1 else concat_padded(shards)  # response widths may differ
+        dp = in_row_order(shards[0] if len(shards) == 1 else concat_padded(shards))  # widths may differ
         if r.rows is not None:
             dp = dp[r.rows[0] : r.rows[1]]
         parts.append(expand_rows(dp, r.repeat))
@@ -168,7 +173,10 @@ class Worker:
         seed: int = 0,
         threads: int = 1,
         gpus: float = 0.0,
+        distributed: bool = False,
     ) -> None:
+        """``distributed``: the pool's ranks form a process group, so the roles are built
+        by :meth:`join_group` once every rank has started (rank 0 first calls :meth:`listen`)."""
         import torch
 
         self.threads = max(1, threads)
@@ -179,12 +187,35 @@ class Worker:
         self.roles: dict[str, Any] = {}
         self.owner: dict[str, str] = {}  # role → the role whose object (and weights) it uses
         self.versions: dict[str, int] = {}
-        for rb in roles:
+        self._builds, self._seed, self._gpus = roles, seed, gpus
+        self._listener = None
+        self.group = PoolGroup.single(pool, _device(gpus))
+        if not (distributed and world_size > 1):
+            self._build_roles()
+
+    def listen(self) -> str:
+        """Rank 0: open the rendezvous on a free loopback port; the address the other ranks join."""
+        self._listener = listen()
+        return f"127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def join_group(self, address: str, backend: str = DEFAULT_BACKEND, timeout_s: float = 300.0) -> int:
+        """Join the pool's process group at ``address`` (every rank at once), then build the roles on it."""
+        try:
+            self.group = PoolGroup.join(self.pool, self.rank, self.world_size, address, backend=backend,
+                                        timeout_s=timeout_s, listener=self._listener, device_type=_device(self._gpus))
+        finally:
+            self._listener = None
+        self._build_roles()
+        return os.getpid()
+
+    def _build_roles(self) -> None:
+        for rb in self._builds:
             if rb.shares is not None:
                 self.roles[rb.name] = self.roles[rb.shares]
                 self.owner[rb.name] = self.owner[rb.shares]
                 continue
-            ctx = RoleContext(rb.name, rank, world_size, seed, rb.frozen, _device(gpus))
+            ctx = RoleContext(rb.name, self.rank, self.world_size, self._seed, rb.frozen, _device(self._gpus),
+                              self.group)
             try:
                 self.roles[rb.name] = rb.factory(rb.config, ctx)
             except Exception as e:
@@ -223,7 +254,13 @@ class Worker:
             batch = get_mode(call.dispatch).split(assemble(list(shards), call.reads), call.rank, call.world)
             if state is not None:
                 batch.meta_info[entry.op.state.key] = state
+            index = batch.non_tensor_batch.pop(ROW_INDEX, None)  # a balanced split's rows, for collect
             out, metrics = self._run(entry, role_obj, batch)
+            if index is not None and len(out) and len(out) == len(index) * call.factor:
+                import numpy as np
+
+                out.non_tensor_batch[ROW_INDEX] = (np.repeat(index, call.factor) * call.factor
+                                                   + np.tile(np.arange(call.factor), len(index)))
             if state is not None:
                 batch.meta_info.pop(entry.op.state.key, None)
             if entry.op.updates_role:
@@ -297,6 +334,11 @@ class Worker:
         for owner in self.versions:
             self._set_version(owner)
         return len(state["roles"])
+
+    def held_bytes(self) -> dict[str, dict[str, int]]:
+        """Per role that can say: the bytes of parameters and optimizer state this rank holds."""
+        return {name: self.roles[name].held_bytes() for name, owner in self.owner.items()
+                if owner == name and hasattr(self.roles[name], "held_bytes")}
 
     def ping(self) -> int:
         return os.getpid()

@@ -55,6 +55,10 @@ class LossNorm:
             group.all_reduce(counts, name="loss normaliser (token and row counts)")
         return cls(tokens=max(float(counts[0]), 1.0), seqs=max(float(counts[1]), 1.0))
 
+    def weight(self, mask: torch.Tensor) -> float:
+        """A micro-batch's share of the mini-batch's tokens: the weight of a mean over its tokens."""
+        return float(mask.sum()) / max(self.tokens, 1.0)
+
 
 def pass_count(micro_batches: Sequence[Any], group: Group) -> int:
     """How many passes every rank runs: the most micro-batches any rank holds (one all-reduce)."""
