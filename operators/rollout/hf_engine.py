@@ -34,9 +34,10 @@ import torch
 
 from flowrl.data.expand import expand_rows
 from operators.data.dataset import position_ids_from_mask
+from operators.models.hf import hf
 from operators.rollout.base import RolloutEngine, SamplingParams, rollout_output
 
-# transformers is imported where a model runs: declaring operators (``flowrl validate``) does not need it
+# transformers is fetched (:func:`hf`) where a model runs: declaring operators (``flowrl validate``) does not need it
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -146,8 +147,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def _sample(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        from transformers import DynamicCache
-
+        DynamicCache = hf("DynamicCache")
         # prefill each prompt once, then give each of its n samples a copy of the KV cache
         cache = DynamicCache()
         positions = position_ids_from_mask(prompt_mask)
