@@ -13,16 +13,20 @@ Example YAML::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from flowrl.data import DataProto
 from flowrl.graph import source
 from flowrl.graph.checks import DataSourceError, graph_check
 from operators.data import DatasetError, PromptLoader, inspect_file, load_dataset
 from operators.models import load_tokenizer
+
+# tensordict (under DataProto) is imported where a batch is built: ``flowrl validate`` checks
+# a source's config and files without making one
+if TYPE_CHECKING:
+    from flowrl.data import DataProto
 
 PROMPT_FIELDS = {
     "prompts": "int64[B, P]",
@@ -93,6 +97,8 @@ class PromptSource:
         self.step = 0
 
     def next_batch(self) -> DataProto:
+        from flowrl.data import DataProto
+
         b = self.loader.next_batch()
         uid = np.array([f"{self.step}-{i}" for i in range(len(b["index"]))], dtype=object)
         self.step += 1

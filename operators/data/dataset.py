@@ -39,13 +39,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from operators.data.tasks import TaskRows
+
+# type hints only: declaring operators (``flowrl validate``) does not import transformers
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Truncation = Literal["left", "right", "error"]
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")

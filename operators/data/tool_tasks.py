@@ -33,11 +33,14 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
+
+# type hints only: declaring operators (``flowrl validate``) does not import transformers
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 #: the share of warm-up calls that carry the prompt's own numbers
 WARMUP_CORRECT_SHARE = 0.6

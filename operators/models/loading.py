@@ -20,23 +20,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Union
+from typing import TYPE_CHECKING, Literal, Union
 
 import torch
-from transformers import (
-    AutoConfig,
-    AutoModel,
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    LlamaForSequenceClassification,
-    LlamaModel,
-    PreTrainedTokenizerBase,
-)
 
+from operators.models.hf import hf
 from operators.models.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
 from operators.models.tiny_tools import build_tiny_tools_model, build_tiny_tools_tokenizer, tiny_tools_config
 from operators.models.value import ValueModel
+
+# transformers is fetched (:func:`hf`) where a model or tokenizer is built: checking a spec
+# (``flowrl validate``) reads a config.json and needs none of it
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Head = Literal["causal_lm", "value", "reward"]
 DType = Union[str, torch.dtype]
@@ -120,6 +116,7 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
     if spec == "builtin:tiny-tools":
         return build_tiny_tools_tokenizer()
     path = _check_dir(spec)
+    AutoTokenizer = hf("AutoTokenizer")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as err:
@@ -167,6 +164,7 @@ def _build_tiny(spec: str, head: Head, seed: int) -> torch.nn.Module:
     if head == "causal_lm":
         return build_tiny_tools_model(seed) if tools else build_tiny_model(seed)
     config_fn = tiny_tools_config if tools else tiny_config
+    LlamaForSequenceClassification, LlamaModel = hf("LlamaForSequenceClassification"), hf("LlamaModel")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if head == "value":
@@ -179,6 +177,8 @@ def _build_tiny(spec: str, head: Head, seed: int) -> torch.nn.Module:
 
 
 def _load_dir(path: Path, spec: str, head: Head, seed: int, dtype: torch.dtype) -> torch.nn.Module:
+    AutoConfig, AutoModel, AutoModelForCausalLM = hf("AutoConfig"), hf("AutoModel"), hf("AutoModelForCausalLM")
+    AutoModelForSequenceClassification = hf("AutoModelForSequenceClassification")
     try:
         if head == "causal_lm":
             return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)

@@ -22,12 +22,14 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flowrl.data import DataProto
-from flowrl.data.padding import pad_width
+# tensordict (under DataProto and padding) is imported where a batch is cut: roles that
+# declare operators (``flowrl validate``) import this module without building one
+if TYPE_CHECKING:
+    from flowrl.data import DataProto
 
 
 def response_lengths(batch: Any) -> torch.Tensor:
@@ -91,6 +93,8 @@ def trim(batch: DataProto, length: int) -> DataProto:
     columns; one as wide as ``input_ids`` (``[B, P + R]``) its first
     ``P + length``; any other is unchanged.
     """
+    from flowrl.data import DataProto
+
     width, total = batch["responses"].shape[1], batch["input_ids"].shape[1]
     out = {}
     for key, t in batch.batch.items():
@@ -104,6 +108,8 @@ def trim(batch: DataProto, length: int) -> DataProto:
 
 def restore(parts: list[torch.Tensor], rows: list[torch.Tensor], width: int) -> torch.Tensor:
     """Per-micro-batch ``[b_i, r_i, ...]`` results back in row order, right-padded with 0 to ``width``."""
+    from flowrl.data.padding import pad_width
+
     first = parts[0]
     out = first.new_zeros((sum(len(r) for r in rows), width, *first.shape[2:]))
     for part, idx in zip(parts, rows):

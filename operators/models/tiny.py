@@ -18,9 +18,17 @@ one token per digit::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from operators.models.hf import hf
+
+# transformers is fetched (:func:`hf`) where a tokenizer or a model is built, so declaring operators
+# (``flowrl validate``) does not pay for it
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 SPECIAL_TOKENS = [PAD, BOS, EOS, UNK]
@@ -49,6 +57,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         >>> tok.encode("add 3 4 =", add_special_tokens=False)
         [21, 7, 8, 16]
     """
+    PreTrainedTokenizerFast = hf("PreTrainedTokenizerFast")
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
@@ -69,6 +78,7 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 def tiny_config() -> LlamaConfig:
     """Hidden 128, 2 layers, 4 heads, MLP 512, tied embeddings: 528,640 parameters."""
+    LlamaConfig = hf("LlamaConfig")
     return LlamaConfig(
         vocab_size=len(VOCAB),
         hidden_size=128,
@@ -95,6 +105,7 @@ def build_tiny_model(seed: int = 0) -> LlamaForCausalLM:
         >>> torch.equal(a.lm_head.weight, b.lm_head.weight)
         True
     """
+    LlamaForCausalLM = hf("LlamaForCausalLM")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return LlamaForCausalLM(tiny_config())

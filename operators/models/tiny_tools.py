@@ -38,13 +38,19 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from operators.data.tool_tasks import WARMUP_CORRECT_SHARE, warmup_batch
+from operators.models.hf import hf
 from operators.models.tiny import BOS, EOS, PAD, SPECIAL_TOKENS, UNK
+
+# transformers is fetched (:func:`hf`) where a tokenizer or a model is built, so declaring operators
+# (``flowrl validate``) does not pay for it
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
 TOOL_MARKUP = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -78,6 +84,7 @@ def build_tiny_tools_tokenizer() -> PreTrainedTokenizerFast:
         >>> tok.decode(tok.encode("<|tool|>85<|end|>", add_special_tokens=False))
         '<|tool|>85<|end|>'
     """
+    PreTrainedTokenizerFast = hf("PreTrainedTokenizerFast")
     pieces = [t for t in VOCAB if len(t) > 1 and t not in SPECIAL_TOKENS]
     pattern = "|".join(re.escape(p) for p in sorted(pieces, key=len, reverse=True)) + r"|\d|[A-Za-z_]+|[\s\S]"
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
@@ -94,6 +101,7 @@ def build_tiny_tools_tokenizer() -> PreTrainedTokenizerFast:
 
 def tiny_tools_config() -> LlamaConfig:
     """``builtin:tiny``'s shape (hidden 128, 2 layers, 4 heads) over the tool vocabulary."""
+    LlamaConfig = hf("LlamaConfig")
     return LlamaConfig(
         vocab_size=len(VOCAB), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
@@ -131,6 +139,7 @@ def _warmed_up_state(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _warm_up(seed: int) -> dict[str, torch.Tensor]:
+    LlamaForCausalLM = hf("LlamaForCausalLM")
     tokenizer = build_tiny_tools_tokenizer()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -155,6 +164,7 @@ def build_tiny_tools_model(seed: int = 0) -> LlamaForCausalLM:
     seconds on one core; it runs once per process and seed. The global torch
     RNG is left as it was.
     """
+    LlamaForCausalLM = hf("LlamaForCausalLM")
     model = LlamaForCausalLM(tiny_tools_config())
     model.load_state_dict(_warmed_up_state(seed))
     return model.eval()

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import PreTrainedModel
+
+# type hints only: declaring operators (``flowrl validate``) does not import transformers
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 

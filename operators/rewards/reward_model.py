@@ -17,8 +17,13 @@ Example::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PreTrainedModel
+
+# type hints only: declaring operators (``flowrl validate``) does not import transformers
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

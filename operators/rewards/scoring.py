@@ -31,11 +31,10 @@ Example::
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 import torch
-from transformers import PreTrainedTokenizerBase
 
 from operators.data.tasks import TASKS
 from operators.rewards.rule import (
@@ -45,6 +44,10 @@ from operators.rewards.rule import (
     task_token_score,
 )
 from operators.rewards.user_fn import RewardFnError, load_reward_fn, split_score
+
+# type hints only: declaring operators (``flowrl validate``) does not import transformers
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 NAMED_REWARDS: dict[str, Callable[..., Any]] = {
     "task": task_token_score,

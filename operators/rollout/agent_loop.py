@@ -40,11 +40,10 @@ import enum
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
 
 import torch
 from pydantic import Field
-from transformers import PreTrainedTokenizerBase
 
 from flowrl.graph import Params
 from operators.data.dataset import left_pad, position_ids_from_mask
@@ -52,6 +51,10 @@ from operators.rollout.base import RolloutEngine, SamplingParams
 from operators.rollout.envs import Environment
 from operators.rollout.tool_parsers import ToolCall, ToolCallError, ToolParser, get_parser
 from operators.rollout.tools import BaseTool
+
+# type hints only: declaring operators (``flowrl validate``) does not import transformers
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 

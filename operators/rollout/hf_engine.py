@@ -28,14 +28,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from flowrl.data.expand import expand_rows
 from operators.data.dataset import position_ids_from_mask
+from operators.models.hf import hf
 from operators.rollout.base import RolloutEngine, SamplingParams, rollout_output
+
+# transformers is fetched (:func:`hf`) where a model runs: declaring operators (``flowrl validate``) does not need it
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def filter_top_k_top_p(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0) -> torch.Tensor:
@@ -143,6 +147,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def _sample(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        DynamicCache = hf("DynamicCache")
         # prefill each prompt once, then give each of its n samples a copy of the KV cache
         cache = DynamicCache()
         positions = position_ids_from_mask(prompt_mask)
