@@ -49,32 +49,4 @@ _HOME = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
-__all__ = [
-    "AUTO_PADDING_KEY",
-    "PADDING_SIZE_KEY",
-    "DataProto",
-    "DataProtoConfig",
-    "DataProtoError",
-    "DataProtoFuture",
-    "DataProtoItem",
-    "Field",
-    "FieldSpecError",
-    "collate_fn",
-    "deserialize_single_tensor",
-    "deserialize_tensordict",
-    "field",
-    "fold_batch_dim",
-    "get_readonly_policy",
-    "get_tensordict",
-    "list_of_dict_to_dict_of_list",
-    "pad_dataproto_to_divisor",
-    "readonly_policy",
-    "resolve",
-    "serialize_single_tensor",
-    "serialize_tensordict",
-    "set_readonly_policy",
-    "unfold_batch_dim",
-    "union_numpy_dict",
-    "union_tensor_dict",
-    "unpad_dataproto",
-]
+__all__ = list(_HOME)  # every lazily exported name is public

@@ -63,17 +63,4 @@ _HOME = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
-__all__ = [
-    "GroupStats", "gae_advantages", "gdpo_advantages", "gpg_advantages", "group_ids", "group_stats",
-    "grpo_advantages", "grpo_passk_advantages", "opo_advantages", "optimal_token_baseline_advantages",
-    "reinforce_pp_advantages", "reinforce_pp_baseline_advantages", "remax_advantages", "rloo_advantages",
-    "tir_optimal_token_baseline_advantages",
-    "entropy_from_logits", "logprobs_from_logits", "masked_mean", "masked_sum", "masked_var", "masked_whiten",
-    "sum_pi_squared_from_logits",
-    "KL_ESTIMATORS", "AdaptiveKLController", "FixedKLController", "KLController", "apply_kl_penalty", "build_kl_controller",
-    "kl_penalty",
-    "AGG_MODES", "POLICY_LOSSES", "PolicyLoss", "PolicyLossParams", "agg_loss", "entropy_loss",
-    "get_policy_loss", "kl_loss", "policy_loss", "register_policy_loss", "value_loss",
-    "RS_OPTIONS", "RolloutCorrection", "divergence_rejection", "mismatch_metrics", "parse_is_threshold",
-    "parse_rs_thresholds", "rollout_correction",
-]
+__all__ = list(_HOME)  # every lazily exported name is public

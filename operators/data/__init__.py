@@ -28,10 +28,5 @@ _HOME = {
     "inspect_file": "operators.data.dataset",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
-from operators.data import skewed  # noqa: F401,E402  (registers builtin:skewed)
 
-__all__ = [
-    "REQUIRED_COLUMNS", "DatasetError", "PromptDataset", "PromptLoader", "left_pad", "load_dataset",
-    "position_ids_from_mask", "read_rows",
-    "DEFAULT_TASK", "TASKS", "Task", "TaskRows", "get_task",
-]
+__all__ = list(_HOME)  # every lazily exported name is public

@@ -14,6 +14,7 @@ charges extra tokens as much as wrong ones).
 
 Example::
 
+    >>> from operators.data.tasks import TaskRows
     >>> rows = TaskRows("skewed", seed=0)
     >>> rows[0]["prompt"][0]["content"], len(rows[0]["reward_model"]["ground_truth"].split())
     ('copy 3 :', 16)
@@ -22,8 +23,6 @@ Example::
 from __future__ import annotations
 
 import numpy as np
-
-from operators.data.tasks import TASKS, Task, TaskRows, _spaced  # noqa: F401  (TaskRows: the example)
 
 #: probability of each digit: ∝ 1 / (d + 1), so short answers are common and long ones rare
 DIGIT_PROBS = np.array([1.0 / (d + 1) for d in range(10)]) / sum(1.0 / (d + 1) for d in range(10))
@@ -34,9 +33,7 @@ def answer_length(digit: int) -> int:
     return (digit + 1) ** 2
 
 
-def _skewed(rng: np.random.Generator) -> tuple[str, str]:
+def skewed_sample(rng: np.random.Generator) -> tuple[str, str]:
+    """One ``(prompt, answer)`` pair (registered as ``builtin:skewed`` in :mod:`operators.data.tasks`)."""
     digit = int(rng.choice(10, p=DIGIT_PROBS))
-    return f"copy {digit} :", _spaced([digit] * answer_length(digit))
-
-
-TASKS["skewed"] = Task("skewed", "repeat a digit d (d+1)^2 times, short answers common: 'copy 2 :' -> '2' x 9", _skewed)
+    return f"copy {digit} :", " ".join([str(digit)] * answer_length(digit))

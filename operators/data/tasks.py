@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from operators.data.skewed import skewed_sample
 from operators.data.tool_tasks import tool_add_extra_info, tool_add_sample
 
 
@@ -63,6 +64,8 @@ TASKS: dict[str, Task] = {
 TASKS["arith"] = Task("arith", TASKS["add"].description, _add)
 TASKS["tool_add"] = Task("tool_add", "add two 2-digit numbers with the 'add' tool: '37+48=' -> '85' "
                          "(for builtin:tiny-tools)", tool_add_sample, tool_add_extra_info)
+TASKS["skewed"] = Task("skewed", "repeat a digit d (d+1)^2 times, short answers common: 'copy 2 :' -> '2' x 9",
+                       skewed_sample)
 
 #: the task users get when they name none
 DEFAULT_TASK = "copy"

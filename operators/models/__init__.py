@@ -33,10 +33,4 @@ _HOME = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
-__all__ = [
-    "BUILTIN_MODELS", "ModelLoadError", "check_model_spec", "load_model", "load_tokenizer", "resolve_dtype",
-    "save_model", "response_log_probs", "response_values", "response_log_probs_and_sum_pi_squared",
-    "OptimConfig", "build_optimizer", "clip_grad_norm", "lr_multiplier",
-    "VOCAB", "build_tiny_model", "build_tiny_tokenizer", "tiny_config",
-    "ValueModel",
-]
+__all__ = list(_HOME)  # every lazily exported name is public

@@ -34,11 +34,4 @@ _HOME = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
 
-__all__ = [
-    "RewardModelScorer", "last_token_index",
-    "exact_match_score", "extract_gsm8k_answer", "gsm8k_score", "partial_match_score",
-    "positional_match", "task_token_score", "token_reward",
-    "NAMED_REWARDS", "auto_reward_fn", "compute_scores", "extra_info_rows", "extra_metrics", "place_at_last_token",
-    "resolve_reward_fn",
-    "RewardFnError", "load_reward_fn", "split_score",
-]
+__all__ = list(_HOME)  # every lazily exported name is public
