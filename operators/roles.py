@@ -31,6 +31,7 @@ from operators.models import (ModelLoadError, OptimConfig, build_optimizer, chec
 from operators.models.data_parallel import LossNorm, data_parallel_forward, pass_count
 from operators.models.fsdp import full_state_dict, shard_model, state_bytes, unsharded
 from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
+from operators.models.sharded_checkpoint import load_sharded, save_sharded
 from operators.rewards import RewardModelScorer
 
 
@@ -219,46 +220,65 @@ class TrainableRole:
             for name, target in self.model.state_dict().items():
                 _local_of(target).copy_(_part_of(target, weights[name]))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, shards: str | Path | None = None) -> dict[str, Any]:
         """Everything a checkpoint needs to continue exactly.
 
-        Sharded: each rank's own shards of the model and optimizer state, as plain
-        tensors (no collective; a checkpoint loads into a pool of the same size).
+        One process: the model's and optimizer's tensors, copied. Sharded over a
+        pool's ranks: a collective that writes the shards of the model and the
+        optimizer state to ``<shards>/<role>`` (``torch.distributed.checkpoint``,
+        safetensors; any number of ranks loads it back) and returns the rest.
         """
-        state: dict[str, Any] = {"model": _local(self.model.state_dict()), "updates": self.updates,
-                                 "extra_state": self.extra_state}
+        state: dict[str, Any] = {"updates": self.updates, "extra_state": self.extra_state}
+        if self.group.world_size > 1:
+            if shards is None:
+                raise ValueError(f"role {self.ctx.name!r} is sharded over {self.group.world_size} ranks: its "
+                                 f"state is written to a directory, pass shards=")
+            save_sharded(Path(shards) / self.ctx.name, self.model, self.optimizer, self.group)
+            state["sharded"] = self.ctx.name
+        else:
+            state["model"] = _copied(self.model.state_dict())
+            if self.optimizer is not None:
+                optim = self.optimizer.state_dict()
+                state["optimizer"] = {**optim, "state": {i: _copied(s) for i, s in optim["state"].items()}}
         if self.optimizer is not None:
-            optim = self.optimizer.state_dict()
-            state["optimizer"] = {**optim, "state": {i: _local(s) for i, s in optim["state"].items()}}
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.group.world_size > 1:
+    def load_state_dict(self, state: dict[str, Any], shards: str | Path | None = None, own: bool = True) -> None:
+        """Load :meth:`state_dict`'s output, written by any number of ranks (``shards``: the directory
+        a sharded state was written under). ``own`` is for roles with per-rank state (see :class:`Actor`)."""
+        if "sharded" in state:
+            if shards is None:
+                raise ValueError(f"role {self.ctx.name!r}: the state was sharded; pass the directory it was "
+                                 f"written under as shards=")
+            load_sharded(Path(shards) / state["sharded"], self.model, self.optimizer, self.group)
+        elif self.group.world_size > 1:  # one process's whole state, each rank taking its part
             with torch.no_grad():
                 for name, target in self.model.state_dict().items():
-                    _local_of(target).copy_(state["model"][name])
+                    _local_of(target).copy_(_part_of(target, state["model"][name]))
+            if self.optimizer is not None and "optimizer" in state:
+                params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                optim = state["optimizer"]
+                self.optimizer.load_state_dict({**optim, "state": {
+                    i: {k: _sharded_part(params[int(i)], v) for k, v in s.items()}
+                    for i, s in optim["state"].items()}})
         else:
             self.model.load_state_dict(state["model"])
+            if self.optimizer is not None and "optimizer" in state:
+                self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None and "scheduler" in state:
+            self.scheduler.load_state_dict(state["scheduler"])
         self.updates = state.get("updates", 0)
         self.extra_state = dict(state.get("extra_state", {}))
-        if self.optimizer is not None and "optimizer" in state:
-            optim = state["optimizer"]
-            if self.group.world_size > 1:  # each shard back into a DTensor shaped like its parameter
-                params = [p for g in self.optimizer.param_groups for p in g["params"]]
-                optim = {**optim, "state": {i: {k: _sharded_like(params[int(i)], v) for k, v in s.items()}
-                                            for i, s in optim["state"].items()}}
-            self.optimizer.load_state_dict(optim)
-            self.scheduler.load_state_dict(state["scheduler"])
 
 
 def _local_of(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _local(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every (sharded) tensor as a plain copy of this rank's part."""
-    return {k: _local_of(v).detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+def _copied(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every tensor copied (a checkpoint must not change as training goes on)."""
+    return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
 def _part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
@@ -269,12 +289,13 @@ def _part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def _sharded_like(param: torch.Tensor, value: Any) -> Any:
-    """A saved shard of optimizer state as a DTensor laid out like ``param`` (scalars stay plain)."""
+def _sharded_part(param: torch.Tensor, value: Any) -> Any:
+    """This rank's part of a whole optimizer-state tensor, as a DTensor laid out like ``param``
+    (scalars such as Adam's step count stay plain)."""
     if not isinstance(param, DTensor) or not torch.is_tensor(value) or value.dim() == 0:
         return value
-    return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return DTensor.from_local(_part_of(param, value).clone(), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
 
 
 def _mini_batches(order: torch.Tensor, total: int, mini: int, world: int) -> list[torch.Tensor]:
@@ -360,15 +381,17 @@ class Actor(TrainableRole):
         if self._engine is not None and self.cfg.rollout.engine != "hf":
             self._engine.update_weights(weights)  # the hf engine holds this very model
 
-    def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+    def state_dict(self, shards: str | Path | None = None) -> dict[str, Any]:
+        state = super().state_dict(shards)
         if self._engine is not None and hasattr(self._engine, "rng_state"):
-            state["rollout_rng"] = self._engine.rng_state()
+            state["rollout_rng"] = self._engine.rng_state()  # this rank's own sampling stream
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict(state)
-        if "rollout_rng" in state:
+    def load_state_dict(self, state: dict[str, Any], shards: str | Path | None = None, own: bool = True) -> None:
+        """As :meth:`TrainableRole.load_state_dict`; the rollout RNG only from this rank's own state
+        (a rank new to the pool keeps its fresh stream rather than repeat another rank's samples)."""
+        super().load_state_dict(state, shards, own)
+        if own and "rollout_rng" in state:
             self.engine.set_rng_state(state["rollout_rng"])
 
 

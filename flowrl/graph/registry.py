@@ -218,7 +218,15 @@ def source(kind: str, *, config: type[BaseModel], fields: Callable[[Any], Mappin
 
 
 def role_kind(kind: str, *, config: type[BaseModel]):
-    """Declare a role kind (``policy``, ``value``...) and the class that implements it."""
+    """Declare a role kind (``policy``, ``value``...) and the class that implements it.
+
+    The class is built as ``factory(config, ctx)`` on each worker of the role's
+    pool. What the runtime calls on it, when present: ``get_weights()`` /
+    ``set_weights(w)`` (weight syncs between pools), ``state_dict(shards=None)`` /
+    ``load_state_dict(state, shards=None, own=True)`` (checkpoints: ``shards`` is
+    a directory for state written by the pool's ranks together, ``own`` says the
+    state is this rank's own rather than rank 0's), and a ``version`` attribute.
+    """
 
     def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
         REGISTRY.add_role_kind(RoleKind(kind, config, factory, factory.__doc__ or ""))

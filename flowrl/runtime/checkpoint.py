@@ -2,10 +2,14 @@
 
 A checkpoint after k completed steps is a directory ``step_<k>`` holding every worker's
 role states (``workers.pt``), weights still owed to in-flight steps
-(``weights.pt``), and ``meta.json`` (the data position, the graph it belongs
-to). It is written under a temporary name and renamed into place, so a kill at
-any moment leaves either the complete new checkpoint or none — never a
-half-written one under a real name.
+(``weights.pt``), ``meta.json`` (the data position, the graph it belongs
+to, each pool's worker count) and, for a role sharded over a pool's ranks, a
+directory ``<role>/`` its ranks wrote together
+(:func:`operators.models.sharded_checkpoint.save_sharded`: any number of ranks
+reads it back). It is staged under a temporary name (:meth:`CheckpointStore.stage`,
+where the ranks write their shards) and renamed into place, so a kill at any
+moment leaves either the complete new checkpoint or none — never a half-written
+one under a real name.
 
 A checkpoint holds tensors and plain data only: the ``.pt`` files are read
 with ``torch.load(weights_only=True)``, which refuses anything else (a pickled
@@ -67,15 +71,29 @@ class CheckpointStore:
                  if STEP_DIR.fullmatch(p.name) and p.is_dir() and (p / "meta.json").is_file()]
         return sorted(found, key=steps_done, reverse=True)
 
-    def save(self, step: int, payload: dict[str, Any], meta: dict[str, Any]) -> Path:
+    def stage(self, step: int) -> Path:
+        """The directory step ``step``'s checkpoint is assembled in before :meth:`save` renames it
+        into place (sharded roles write their shards here first). Absolute: workers in other
+        processes write to it."""
         self.root.mkdir(parents=True, exist_ok=True)
         for stale in self.root.glob(".tmp_*"):  # left by a run killed mid-save
-            shutil.rmtree(stale, ignore_errors=True)
+            if not stale.name.endswith(f"_{os.getpid()}"):
+                shutil.rmtree(stale, ignore_errors=True)
+        return (self.root / f".tmp_step_{step + 1:08d}_{os.getpid()}").resolve()
+
+    def save(self, step: int, payload: dict[str, Any], meta: dict[str, Any]) -> Path:
+        """Write ``payload`` (a runtime snapshot) as the checkpoint of step ``step`` (0-based)."""
+        tmp = self.stage(step)
+        for stale in self.root.glob(f".tmp_step_*_{os.getpid()}"):  # staged for a step that never saved
+            if stale.name < tmp.name:
+                shutil.rmtree(stale, ignore_errors=True)
         # named by completed steps, as the run shows them ("step 100/300" → step_00000100);
         # meta's "step" is the 0-based index of the last step in it
         final = self.root / f"step_{step + 1:08d}"
-        tmp = self.root / f".tmp_step_{step + 1:08d}_{os.getpid()}"
-        tmp.mkdir()
+        tmp.mkdir(exist_ok=True)
+        shards = payload.get("shards")
+        if shards and Path(shards).resolve() != tmp and Path(shards).is_dir():  # staged elsewhere
+            shutil.copytree(shards, tmp, dirs_exist_ok=True)
         _write(tmp / "workers.pt", lambda f: torch.save(payload["workers"], f))
         _write(tmp / "weights.pt", lambda f: torch.save(payload["weights"], f))
         body = {**meta, "step": step, "source": payload.get("source"),
@@ -98,7 +116,7 @@ class CheckpointStore:
         if not isinstance(meta, dict) or not isinstance(meta.get("graph"), dict):
             raise UnreadableCheckpoint("meta.json has no 'graph' mapping (the config the checkpoint belongs to)")
         payload = {"step": steps_done(path) - 1, "source": meta.get("source"),
-                   "operator_state": meta.get("operator_state") or {}}
+                   "operator_state": meta.get("operator_state") or {}, "shards": str(path.resolve())}
         for key in ("workers", "weights"):
             payload[key] = _load_tensors(path / f"{key}.pt")
         return payload, meta
@@ -162,11 +180,22 @@ def _unsupported_global(text: str) -> str | None:
 
 
 def fingerprint(config_dump: dict[str, Any]) -> dict[str, Any]:
-    """The part of a graph config a checkpoint is bound to (run-length settings excluded)."""
+    """The part of a graph config a checkpoint is bound to: run-length settings and pools'
+    worker counts excluded (a sharded role's checkpoint reshards onto any number of ranks;
+    meta.json records the counts that wrote it, see :func:`worker_counts`)."""
     out = json.loads(json.dumps(config_dump, default=str))
     for key in RESUMABLE_KEYS:
         out.get("trainer", {}).pop(key, None)
+    for pool in (out.get("pools") or {}).values():
+        if isinstance(pool, dict):
+            pool.pop("workers", None)
     return out
+
+
+def worker_counts(config_dump: dict[str, Any]) -> dict[str, int]:
+    """``{pool: workers}`` of a graph config dump."""
+    return {name: int(pool.get("workers", 1)) for name, pool in (config_dump.get("pools") or {}).items()
+            if isinstance(pool, dict)}
 
 
 def differences(a: Any, b: Any, path: str = "") -> list[str]:

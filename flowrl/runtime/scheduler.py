@@ -23,9 +23,12 @@ Example::
 
 from __future__ import annotations
 
+import os
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from flowrl.data import DataProto, DataProtoFuture
@@ -77,7 +80,11 @@ class Runtime:
         poll_s: float = 0.05,
         on_progress: Callable[[int, dict[str, str]], None] | None = None,
         validation: Graph | None = None,
+        stage: Callable[[int], Path] | None = None,
     ) -> None:
+        """``stage(step)``: the directory where the ranks of a sharded role write its shards for
+        step ``step``'s checkpoint (a :class:`~flowrl.runtime.checkpoint.CheckpointStore`'s
+        staging directory); default: one under the system's temporary directory."""
         graph.check(resources=resources).raise_if_errors()
         self.graph = graph
         self.backend = make_backend(backend, address) if isinstance(backend, str) else backend
@@ -96,6 +103,8 @@ class Runtime:
         self._worker_free: dict[tuple[str, int], float] = {}  # when each worker last finished a task
         self._stop = False
         self._started = False
+        self._stage = stage or (lambda t: Path(tempfile.gettempdir()) / f"flowrl-shards-{os.getpid()}-{id(self)}"
+                                / f"step_{t + 1:08d}")
 
     # ------------------------------------------------------------------ placement
     def start(self) -> "Runtime":
@@ -327,10 +336,12 @@ class Runtime:
 
     # ------------------------------------------------------------------ checkpoints
     def _queue_snapshot(self, t: int, source: Any) -> dict[str, Any]:
-        workers = {key: self.backend.call(key[0], key[1], "get_state") for key in self._worker_keys()}
+        shards = str(self._stage(t))
+        workers = {key: self.backend.call(key[0], key[1], "get_state", shards) for key in self._worker_keys()}
         return {
             "step": t,
             "workers": workers,
+            "shards": shards,  # sharded roles' states, written there by their ranks
             "source": source.state_dict() if hasattr(source, "state_dict") else None,
             # weights already fetched for steps still to come (staleness >= 1)
             "weights": self.versions.in_flight_weights(t),
@@ -354,10 +365,22 @@ class Runtime:
                 "operator_state": {n: state_of(h) for n, h in snap["operator_state"].items()}}
 
     def restore(self, payload: dict[str, Any]) -> None:
-        """Load a checkpoint payload into the (started) workers; the next step is ``payload['step'] + 1``."""
+        """Load a checkpoint payload into the (started) workers; the next step is ``payload['step'] + 1``.
+
+        A pool may now have another number of workers than the payload's: a rank the
+        checkpoint has no state for takes rank 0's, without its own (per-rank) parts,
+        and sharded roles reshard from ``payload['shards']``.
+        """
         self.start()
-        handles = [self.backend.call(pool, rank, "set_state", state)
-                   for (pool, rank), state in payload["workers"].items()]
+        saved = payload["workers"]
+        handles = []
+        for pool, rank in self._worker_keys():
+            own = (pool, rank) in saved
+            state = saved[(pool, rank)] if own else saved.get((pool, 0))
+            if state is None:
+                raise KeyError(f"no state for pool {pool!r} (the checkpoint holds "
+                               f"{', '.join(sorted({p for p, _ in saved})) or 'no pools'})")
+            handles.append(self.backend.call(pool, rank, "set_state", state, payload.get("shards"), own))
         for h in handles:
             self.backend.get(h)
         # updates before the checkpoint are done: same-pool gates for them are satisfied

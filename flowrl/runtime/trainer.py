@@ -9,6 +9,10 @@ graceful stop (Ctrl-C or SIGTERM: the steps in flight finish, then it saves
 and the CLI exits 130 or 143; a second signal aborts), a checkpoint goes to
 ``<out>/checkpoints``. ``resume=True`` continues from the newest loadable one:
 N uninterrupted steps and k steps + resume + N−k steps give the same metrics.
+A run may resume with other worker counts (``pools.<p>.workers``): sharded roles
+reshard onto the new ranks and every role continues from the same weights and
+optimizer state, but a rank's sampling stream is its own, so the metrics after
+the resume are no longer those of the uninterrupted run.
 
 The run directory has one owner (:mod:`flowrl.runtime.rundir`): a second run
 on it is refused, and a fresh run refuses another run's state unless
@@ -34,7 +38,7 @@ import yaml
 
 from flowrl.graph import REGISTRY, Graph
 from flowrl.runtime.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
-                                       fingerprint)
+                                       fingerprint, worker_counts)
 from flowrl.runtime.rundir import RunDirectory
 from flowrl.runtime.scheduler import Runtime, StepResult
 from flowrl.runtime.sinks import open_sinks, read_metrics
@@ -76,8 +80,9 @@ class Trainer:
         # the fields the graph's operators declare worth dumping (dumped=...)
         producers = graph.producers()
         fetch = [f for f in graph.dumped_fields() if f in producers] if cfg.trainer.dump_rollouts else []
+        self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.runtime = Runtime(graph, backend=backend, address=address, on_progress=on_progress,
-                               validation=self.val_graph, fetch=fetch)
+                               validation=self.val_graph, fetch=fetch, stage=self.store.stage)
         kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
         spec = REGISTRY.source(kind)
         data_cfg = spec.config.model_validate(cfg.data.dump())
@@ -91,7 +96,6 @@ class Trainer:
         self.resume, self.say, self.overwrite = resume, say, overwrite
         #: the signal that stopped the run gracefully (``signal.SIGINT`` or ``signal.SIGTERM``), if any
         self.stop_signal: int | None = None
-        self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         self.stopped = False
         self._last_end: float | None = None
         # rows a step generates: prompts × the largest expansion (n samples per prompt)
@@ -160,7 +164,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, step: int, payload: dict[str, Any]) -> None:
-        meta = {"graph": fingerprint(self.graph.config.dump()), "name": self.graph.name,
+        dump = self.graph.config.dump()
+        meta = {"graph": fingerprint(dump), "workers": worker_counts(dump), "name": self.graph.name,
                 "saved_at": time.time()}
         try:
             path = self.store.save(step, payload, meta)
@@ -172,10 +177,11 @@ class Trainer:
         self.say(f"checkpoint: {path}")
 
     def _resume(self) -> int:
-        mine = fingerprint(self.graph.config.dump())
+        dump = self.graph.config.dump()
+        mine, counts = fingerprint(dump), worker_counts(dump)
 
         def accept(payload: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
-            diff = differences(meta["graph"], mine)
+            diff = differences(fingerprint(meta["graph"]), mine)
             if diff:
                 raise CheckpointError(
                     f"checkpoint {path} belongs to a different graph or config; it differs in: "
@@ -197,6 +203,11 @@ class Trainer:
 
         payload, meta, path = self.store.load_latest(warn=self.say, accept=accept)
         step = payload["step"]
+        saved = meta.get("workers") if isinstance(meta.get("workers"), dict) else worker_counts(meta["graph"])
+        changed = [f"{p}: {n} → {counts[p]}" for p, n in saved.items() if p in counts and n != counts[p]]
+        if changed:
+            self.say(f"workers changed since the checkpoint ({', '.join(changed)}): weights and optimizer "
+                     f"state carry over (resharded); sampling streams differ from an uninterrupted run")
         self._truncate_metrics(step + 1)
         self.say(f"resuming from {path} at step {step + 2}")
         return step + 1

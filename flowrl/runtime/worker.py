@@ -319,21 +319,28 @@ class Worker:
         self._set_version(owner)
         return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version)
 
-    def get_state(self) -> dict[str, Any]:
-        """Every role's state (weights, optimizer, RNG...) and weight version, for a checkpoint.
+    def get_state(self, shards: str | None = None) -> dict[str, Any]:
+        """Every role's state (weights, optimizer, RNG...) and weight version, for a checkpoint;
+        a role sharded over the pool's ranks writes its shards under ``shards`` with them.
 
         Queued like any task, so it captures the state exactly between two tasks."""
-        states = {name: self.roles[name].state_dict() for name, owner in self.owner.items()
-                  if owner == name and hasattr(self.roles[name], "state_dict")}
+        states = {name: self.roles[name].state_dict(shards=shards) for name in self._stateful()}
         return {"roles": states, "versions": dict(self.versions)}
 
-    def set_state(self, state: dict[str, Any]) -> int:
+    def set_state(self, state: dict[str, Any], shards: str | None = None, own: bool = True) -> int:
+        """Load :meth:`get_state`'s output; ``own``: written by this very rank (else by another
+        rank of the pool, whose per-rank parts, such as its sampling RNG, are not taken)."""
         for name, role_state in state["roles"].items():
-            self.roles[name].load_state_dict(role_state)
+            self.roles[name].load_state_dict(role_state, shards=shards, own=own)
         self.versions.update(state["versions"])
         for owner in self.versions:
             self._set_version(owner)
         return len(state["roles"])
+
+    def _stateful(self) -> list[str]:
+        """The roles this worker owns that have a state to checkpoint."""
+        return [name for name, owner in self.owner.items()
+                if owner == name and hasattr(self.roles[name], "state_dict")]
 
     def held_bytes(self) -> dict[str, dict[str, int]]:
         """Per role that can say: the bytes of parameters and optimizer state this rank holds."""
