@@ -330,17 +330,37 @@ def _reduce_metrics(sums: dict[str, float], group: Any) -> dict[str, float]:
 
 class _UnshardedEngine:
     """A rollout engine over a sharded model: each ``generate`` runs on full parameters
-    (one all-gather on entry, resharded after), ``memory`` the last change it made."""
+    (one all-gather on entry, resharded after), ``memory`` the last change it made.
+
+    Inside :meth:`held` the full parameters stay for every ``generate``: a rollout
+    that calls the engine a number of times of its own (a multi-turn conversation's
+    rounds differ from rank to rank) gathers once, and no rank waits on another's call.
+    """
 
     def __init__(self, engine: Any, model: torch.nn.Module, group: Any) -> None:
         self._engine, self._model, self._group = engine, model, group
         self.memory = None
+        self._holding = False
+
+    @contextlib.contextmanager
+    def held(self):
+        """Full parameters for the whole block: a collective on entry (every rank enters), none inside."""
+        if self._holding:
+            yield
+            return
+        with unsharded(self._model, self._group) as change:
+            self._holding = True
+            try:
+                yield
+            finally:
+                self._holding = False
+        self.memory = change
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        with unsharded(self._model, self._group) as change:
-            out = self._engine.generate(*args, **kwargs)
-        self.memory = change
-        return out
+        if self._holding:
+            return self._engine.generate(*args, **kwargs)
+        with self.held():
+            return self._engine.generate(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._engine, name)
@@ -375,6 +395,13 @@ class Actor(TrainableRole):
                 if self.group.world_size > 1:  # generation calls forward per token: gather once
                     self._engine = _UnshardedEngine(self._engine, self.model, self.group)
         return self._engine
+
+    def full_weights(self):
+        """A block in which the rollout engine generates on full parameters however often it is
+        called: for a sharded actor, one all-gather on entry on every rank (a collective) and a
+        reshard on exit; otherwise nothing."""
+        engine = self.engine
+        return engine.held() if isinstance(engine, _UnshardedEngine) else contextlib.nullcontext()
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         super().set_weights(weights)

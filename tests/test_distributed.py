@@ -17,12 +17,15 @@ import torch
 from flowrl.data.balance import balance_ranks
 from flowrl.runtime.checkpoint import CheckpointStore
 from flowrl.runtime.distributed import CollectiveError, PoolGroup, backend_for, listen
+from flowrl.runtime.worker import RoleContext
 from operators.models import build_optimizer, load_model, response_log_probs, response_values
 from operators.models.data_parallel import LossNorm, data_parallel_forward, data_parallel_step
 from operators.models.export import ExportError, checkpoint_weights, export_hf
 from operators.models.fsdp import build_sharded, full_state_dict, shard_model, state_bytes, unsharded
 from operators.models.tiny import build_tiny_model
 from operators.models.sharded_checkpoint import load_sharded, save_sharded
+from operators.roles import Actor, ActorConfig
+from operators.rollout.base import SamplingParams
 
 ray = pytest.importorskip("ray")
 
@@ -387,6 +390,29 @@ def _all_reduce(state, name):
 
 def _sleep(state, seconds):
     time.sleep(seconds)
+
+
+def _rollout_calls(state, calls):
+    """A sharded actor's engine called ``calls`` times inside one full_weights() block, then a collective."""
+    actor = Actor(ActorConfig(), RoleContext("actor", state["group"].rank, 2, 0, group=state["group"]))
+    ids = torch.tensor([[1, 20, 7, 11, 16], [1, 21, 8, 12, 16]])
+    greedy = SamplingParams(max_new_tokens=4, greedy=True)
+    with actor.full_weights():
+        outs = [actor.engine.generate(ids, torch.ones_like(ids), greedy)["responses"] for _ in range(calls)]
+    return outs, actor.engine.memory, actor.get_weights()  # the group still meets: a gather after
+
+
+def test_ranks_calling_the_rollout_engine_unequally_often_still_meet(ranks):
+    # a multi-turn rollout's rounds differ from rank to rank: rank 0 calls once, rank 1 three times
+    (outs0, memory, weights), (outs1, _, nothing) = on_ranks(ranks, _rollout_calls, [1, 3])
+    single = Actor(ActorConfig(), RoleContext("actor", 0, 1, 0))
+    ids = torch.tensor([[1, 20, 7, 11, 16], [1, 21, 8, 12, 16]])
+    expected = single.engine.generate(ids, torch.ones_like(ids),
+                                      SamplingParams(max_new_tokens=4, greedy=True))["responses"]
+    assert len(outs0) == 1 and len(outs1) == 3
+    assert all(torch.equal(out, expected) for out in outs0 + outs1)  # every call on the full weights
+    assert memory.taken_bytes > 0 and memory.freed_bytes == memory.taken_bytes  # gathered once, given back
+    assert nothing is None and all(torch.equal(weights[k], v) for k, v in single.model.state_dict().items())
 
 
 def test_a_hung_rank_is_named_within_the_timeout(ranks):

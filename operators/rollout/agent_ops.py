@@ -39,7 +39,7 @@ from operators.rollout.agent_loop import (
 )
 from operators.rollout.base import SamplingParams
 from operators.rollout.envs import Environment
-from operators.rollout.ops import SEQUENCE_FIELDS
+from operators.rollout.ops import SEQUENCE_FIELDS, unshard_metrics
 from operators.rollout.tool_parsers import get_parser
 from operators.rollout.tools import ToolConfigError, build_tools, import_object
 
@@ -131,11 +131,14 @@ def multi_turn(actor, batch, p: MultiTurn):
         requests += [request] * (p.n // per_rollout)
     sampling = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, greedy=p.greedy)
     generator = make_generator(engine, sampling, loop.stop_ids, tokenizer.pad_token_id)
-    trajectories = [t for rollout in loop.run(generator, requests) for t in rollout]
+    # conversations take as many rounds as they need, so ranks call the engine unequally often:
+    # a sharded actor gathers its weights once for the whole rollout
+    with actor.full_weights():
+        trajectories = [t for rollout in loop.run(generator, requests) for t in rollout]
     out = trajectory_tensors(trajectories, p.max_response_length, tokenizer.pad_token_id, batch["prompts"].shape[1])
     lengths = out["response_mask"].sum(-1).float()
     metrics = {**rollout_metrics(trajectories), "response_length/mean": lengths.mean(),
-               "response_length/max": lengths.max()}
+               "response_length/max": lengths.max(), **unshard_metrics(actor)}
     return {
         **{k: out[k] for k in SEQUENCE_FIELDS}, "rollout_log_probs": out["rollout_log_probs"],
         "weight_version": torch.full((len(trajectories),), actor.version, dtype=torch.int64),

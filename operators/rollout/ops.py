@@ -41,13 +41,19 @@ def generate(actor, batch, p: Generate):
     out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling)
     lengths = out["response_mask"].sum(-1).float()
     version = torch.full((len(lengths),), actor.version, dtype=torch.int64)
-    metrics = {"response_length/mean": lengths.mean(), "response_length/max": lengths.max()}
-    memory = getattr(actor.engine, "memory", None)  # a sharded actor generated on gathered weights
-    if memory is not None:
-        metrics.update({"rollout/unshard_taken_mb": memory.taken_bytes / 2**20,
-                        "rollout/unshard_freed_mb": memory.freed_bytes / 2**20})
+    metrics = {"response_length/mean": lengths.mean(), "response_length/max": lengths.max(),
+               **unshard_metrics(actor)}
     return (
         {**{k: out[k] for k in SEQUENCE_FIELDS}, "rollout_log_probs": out["rollout_log_probs"],
          "weight_version": version},
         metrics,
     )
+
+
+def unshard_metrics(actor) -> dict[str, float]:
+    """The memory a sharded actor's rollout took by gathering its weights, and freed after (MiB)."""
+    memory = getattr(actor.engine, "memory", None)
+    if memory is None:
+        return {}
+    return {"rollout/unshard_taken_mb": memory.taken_bytes / 2**20,
+            "rollout/unshard_freed_mb": memory.freed_bytes / 2**20}
