@@ -265,6 +265,7 @@ class RayBackend(Backend):
         self.placement_timeout_s = placement_timeout_s
         self.actors: dict[tuple[str, int], Any] = {}
         self.groups: list[Any] = []
+        self._pg_of: dict[str, Any] = {}  # pool → its placement group
         self._started_ray = False
         self.pids: dict[tuple[str, int], int] = {}
 
@@ -329,6 +330,7 @@ class RayBackend(Backend):
             pg = placement_group([dict(bundle) for _ in range(p.workers)], strategy="PACK",
                                  name=f"flowrl-{p.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self.groups.append(pg)
+            self._pg_of[p.name] = pg
             try:
                 ray.get(pg.ready(), timeout=self.placement_timeout_s)
             except Exception:
@@ -357,7 +359,7 @@ class RayBackend(Backend):
         """Every pool of N > 1: rank 0 listens, all ranks join (at once) and build their roles."""
         joins = []
         for p in pools:
-            address = ray.get(self.actors[(p.name, 0)].listen.remote())
+            address = ray.get(self.actors[(p.name, 0)].listen.remote(_group_host(ray, self._pg_of[p.name])))
             joins += [self.actors[(p.name, r)].join_group.remote(address, p.backend, p.timeout_s)
                       for r in range(p.workers)]
         ray.get(joins)
@@ -413,6 +415,7 @@ class RayBackend(Backend):
                 pass
         self.actors.clear()
         self.groups.clear()
+        self._pg_of.clear()
         if self._started_ray:
             ray.shutdown()
 
@@ -430,6 +433,19 @@ def _reachable(address: str, origin: str, timeout_s: float = 5.0) -> None:
     except OSError as e:
         raise PlacementError(f"cannot reach the Ray cluster at {address} ({origin}): {e.strerror or e}. Start "
                              f"it, fix the address, or unset RAY_ADDRESS to run on a local Ray") from None
+
+
+def _group_host(ray: Any, pg: Any) -> str:
+    """Where a pool's process group meets: loopback when its workers share a machine, else the
+    address of rank 0's node (a pool spread over the machines of a cluster the user joined)."""
+    bundles = ray.util.placement_group_table(pg).get("bundles_to_node_id") or {}
+    if len(set(bundles.values())) <= 1:
+        return "127.0.0.1"
+    addresses = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    hosts = {addresses.get(node) for node in bundles.values()}
+    if len(hosts) == 1:  # nodes of one machine (ray.cluster_utils.Cluster): loopback still reaches them
+        return "127.0.0.1"
+    return addresses[bundles[0]]
 
 
 def make_backend(name: str, address: str | None = None) -> Backend:

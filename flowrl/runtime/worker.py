@@ -193,10 +193,11 @@ class Worker:
         if not (distributed and world_size > 1):
             self._build_roles()
 
-    def listen(self) -> str:
-        """Rank 0: open the rendezvous on a free loopback port; the address the other ranks join."""
-        self._listener = listen()
-        return f"127.0.0.1:{self._listener.getsockname()[1]}"
+    def listen(self, host: str = "127.0.0.1") -> str:
+        """Rank 0: open the rendezvous on a free port of ``host`` (loopback unless the pool spans
+        machines); the address the other ranks join."""
+        self._listener = listen(host)
+        return f"{host}:{self._listener.getsockname()[1]}"
 
     def join_group(self, address: str, backend: str = DEFAULT_BACKEND, timeout_s: float = 300.0) -> int:
         """Join the pool's process group at ``address`` (every rank at once), then build the roles on it."""
