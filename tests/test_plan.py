@@ -35,6 +35,38 @@ def test_two_workers_split_rows_and_an_update_runs_on_every_rank():
     assert (update.ranks, update.collected, update.dispatch) == ((0, 1), (0,), "all")
 
 
+def dispatch_of(plan) -> dict[str, str]:
+    modes = {node: {t.dispatch for t in plan.node_tasks(node)} for node in plan.graph.nodes}
+    assert all(len(m) == 1 for m in modes.values())  # one mode for every task of a node
+    return {node: m.pop() for node, m in modes.items()}
+
+
+def test_forward_passes_on_a_data_parallel_pool_balance_real_tokens_and_generation_keeps_prompts_whole():
+    plan = make_plan(load_graph("ppo", overrides={"pools.train.workers": 2}))
+    modes = dispatch_of(plan)
+    # log-probs read attention_mask and keep their rows: balanced by real tokens, every micro-batch
+    assert (modes["old_logprob"], modes["ref_logprob"], modes["update_actor"]) == ("balanced",) * 3
+    assert len(plan.node_tasks("old_logprob")) == 2
+    # generation expands each prompt ×4: split, so all samples of a prompt stay on one rank
+    assert modes["generate"] == "split" and "×4" in plan.dispatch_rules["generate"]
+    assert "real tokens (attention_mask)" in plan.dispatch_rules["old_logprob"]
+    # the critic's pool has one worker: its nodes run as declared
+    assert (modes["values"], modes["update_critic"]) == ("split", "all")
+    # no process group (the local backend): forward passes split as declared
+    local = dispatch_of(make_plan(load_graph("ppo", overrides={"pools.train.workers": 2}), data_parallel=False))
+    assert (local["old_logprob"], local["ref_logprob"]) == ("split", "split")
+
+
+def test_a_micro_batch_smaller_than_the_pool_keeps_split():
+    # 4 prompts in 4 micro-batches, n=1: one row per task, two ranks, nothing to balance
+    g = load_graph("ppo", overrides={"pools.train.workers": 2, "data.batch_size": 4, "schedule.micro_batches": 4,
+                                     "nodes.generate.n": 1})
+    plan = make_plan(g)
+    assert dispatch_of(plan)["old_logprob"] == "split"
+    assert "(1) than ranks (2)" in plan.dispatch_rules["old_logprob"]
+    assert dispatch_of(make_plan(g, micro_batches=2))["old_logprob"] == "balanced"
+
+
 def test_flowrl_plan_prints_the_tasks(capsys):
     from rich.console import Console
 
