@@ -126,6 +126,7 @@ ROW_INDEX = "_dispatch_row"
 TOKEN_MASK = "attention_mask"
 #: a row's tag is ``rows of its task << _TASK_BITS | its index in the task``
 _TASK_BITS = 32
+_ROW_MASK = (1 << _TASK_BITS) - 1
 
 
 def real_tokens(batch: "DataProto"):
@@ -179,6 +180,15 @@ def _collect_in_order(parts: list["DataProto"]) -> "DataProto":
     return in_row_order(_concat(parts))
 
 
+def task_rows(part: "DataProto"):
+    """Which rows of its task's batch a rank's part (or output) of a balanced task holds,
+    in the part's order; ``None`` when it is not tagged (another mode)."""
+    import numpy as np
+
+    tags = part.non_tensor_batch.get(ROW_INDEX)
+    return None if tags is None else np.asarray(tags, dtype=np.int64) & _ROW_MASK
+
+
 def in_row_order(out: "DataProto") -> "DataProto":
     """``out`` (the ranks' outputs of balanced tasks, concatenated task after task) with each
     task's rows back in its batch's order, without the :data:`ROW_INDEX` column; unchanged
@@ -189,7 +199,7 @@ def in_row_order(out: "DataProto") -> "DataProto":
     if tags is None or len(out) == 0:
         return out
     tags = np.asarray(tags, dtype=np.int64)
-    totals, index = tags >> _TASK_BITS, tags & ((1 << _TASK_BITS) - 1)
+    totals, index = tags >> _TASK_BITS, tags & _ROW_MASK
     order, start = [], 0
     while start < len(tags):  # one task's rows: as many as its tag says it has
         end = start + int(totals[start])
@@ -227,4 +237,4 @@ BALANCED_GROUPS = dispatch_mode(DispatchMode(
 DATA_PARALLEL = {"batch": "balanced", "row": "balanced", "group": "balanced_groups"}
 
 
-__all__ = ["BALANCED", "BALANCED_GROUPS", "DATA_PARALLEL", "ROW_INDEX", "TOKEN_MASK", "balanced_rows", "in_row_order", "real_tokens", "DISPATCH_MODES", "DispatchError", "DispatchMode", "dispatch_mode", "get_mode", "rank_rows"]
+__all__ = ["BALANCED", "BALANCED_GROUPS", "DATA_PARALLEL", "ROW_INDEX", "TOKEN_MASK", "balanced_rows", "in_row_order", "real_tokens", "task_rows", "DISPATCH_MODES", "DispatchError", "DispatchMode", "dispatch_mode", "get_mode", "rank_rows"]
