@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
-from flowrl.graph import load_graph
-from flowrl.runtime.plan import make_plan
+import pytest
+import torch
+
+from flowrl.graph import load_graph, operator
+from flowrl.runtime.plan import PlanError, make_plan
 from flowrl.runtime.staleness import Gate
+
+SEQUENCE = {"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]"}
+
+
+@operator("test.plan_group_forward", role="actor", role_kinds=("actor",), scope="group", inputs=SEQUENCE,
+          outputs={"group_score": "float32[B]"}, node_name="group_score")
+def group_forward(actor, batch, p):
+    """A forward pass that needs whole groups, but reads no uid to know them."""
+    return {"group_score": torch.zeros(len(batch))}
+
+
+@operator("test.plan_group_forward_uid", role="actor", role_kinds=("actor",), scope="group",
+          inputs={**SEQUENCE, "uid": "object[B]"}, outputs={"group_score": "float32[B]"}, node_name="group_score")
+def group_forward_uid(actor, batch, p):
+    """A forward pass that needs whole groups and reads their uid."""
+    return {"group_score": torch.zeros(len(batch))}
 
 
 def test_every_task_has_its_reads_dispatch_gates_and_syncs():
@@ -77,3 +96,12 @@ def test_flowrl_plan_prints_the_tasks(capsys):
     console.print(render_tasks(plan, {}))
     text = console.export_text()
     assert "load rollout ← actor@t-2" in text and "32 → 256" in text
+
+
+def test_a_group_scoped_forward_keeps_groups_whole_and_must_read_their_uid():
+    two = {"pools.train.workers": 2}
+    plan = make_plan(load_graph("ppo", overrides={**two, "nodes.group_score.op": "test.plan_group_forward_uid"}))
+    assert dispatch_of(plan)["group_score"] == "balanced_groups"
+    assert "uid groups whole" in plan.dispatch_rules["group_score"]
+    with pytest.raises(PlanError, match="node 'group_score' is group-scoped .* add uid to its inputs"):
+        make_plan(load_graph("ppo", overrides={**two, "nodes.group_score.op": "test.plan_group_forward"}))

@@ -23,7 +23,7 @@ Built in:
   for forward passes (log-probs, values, reward models) that read
   :data:`TOKEN_MASK` and do not expand rows.
 
-A new mode (data-parallel with balanced tokens, say) registers a
+A new mode (one that orders rows by length, say) registers a
 :class:`DispatchMode` with :func:`dispatch_mode`; nothing else changes.
 
 Example::
