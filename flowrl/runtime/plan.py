@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import networkx as nx
@@ -217,13 +218,13 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
         mbs: list[int | None] = list(range(k)) if streams else [None]
         # a light node moved onto a pool runs once, on its rank 0, like on the driver
         world = 1 if pool == DRIVER else graph.config.pools[pool].workers
-        fewest = min(b - a for a, b in zip(bounds, bounds[1:])) if streams else prompts
-        name_mode, rules[name] = dispatch_rule(node, pool == DRIVER or name in placement, world, data_parallel,
+        fewest = min(b - a for a, b in pairwise(bounds)) if streams else prompts
+        mode_name, rules[name] = dispatch_rule(node, pool == DRIVER or name in placement, world, data_parallel,
                                                fewest * spaces[name].factor)
-        if name_mode == "balanced_groups" and "uid" not in node.input_names():
+        if mode_name == "balanced_groups" and "uid" not in node.input_names():
             raise PlanError(f"node {name!r} is group-scoped and runs data parallel on pool {pool!r}, but reads "
                             f"no 'uid' to keep each group on one rank; add uid to its inputs")
-        mode = get_mode(name_mode)
+        mode = get_mode(mode_name)
         for mb in mbs:
             task = Task(name, mb, pool, cost=node.cost / (k if mb is not None else 1),
                         dispatch=mode.name, ranks=tuple(mode.ranks(world)), collected=tuple(mode.collected(world)),
