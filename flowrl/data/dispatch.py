@@ -204,7 +204,7 @@ def in_row_order(out: "DataProto") -> "DataProto":
     while start < len(tags):  # one task's rows: as many as its tag says it has
         end = start + int(totals[start])
         rows = index[start:end]
-        if end > len(tags) or sorted(rows.tolist()) != list(range(end - start)):
+        if end <= start or end > len(tags) or sorted(rows.tolist()) != list(range(end - start)):
             raise DispatchError(f"rows {start}:{end} of a balanced collect are not one task's rows "
                                 f"(a rank's output is missing or out of order)")
         order.extend((start + np.argsort(rows, kind="stable")).tolist())

@@ -179,7 +179,8 @@ def dispatch_rule(node: Any, on_rank0: bool, world: int, data_parallel: bool, ro
         return declared, "as declared"
     factor = node.op.expansion(node.params)
     if factor > 1:
-        return declared, f"expands each row ×{factor}: each rank its share of the rows, all {factor} samples of a row on that rank"
+        return declared, (f"expands each row ×{factor}: each rank its share of the rows, "
+                          f"all {factor} samples of a row on that rank")
     if TOKEN_MASK not in node.input_names():
         return declared, f"reads no {TOKEN_MASK} to count real tokens: contiguous rows by count"
     if rows < world:
