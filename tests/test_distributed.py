@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import pytest
 import torch
@@ -224,12 +225,17 @@ def pg_log_probs(model, mb):
 
 
 def _values(state, ids):
+    """The sharded critic's values (no grad), and the warnings a training forward/backward raised."""
     group = state["group"]
     critic, _ = load_model("builtin:tiny", head="value", seed=group.rank)
     critic = shard_model(critic, group)
     mask = torch.ones_like(ids)
     with torch.no_grad():
-        return response_values(critic, ids, mask, mask.cumsum(-1) - 1, RESPONSE)
+        values = response_values(critic, ids, mask, mask.cumsum(-1) - 1, RESPONSE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        response_values(critic, ids, mask, mask.cumsum(-1) - 1, RESPONSE).sum().backward()
+    return values, [str(w.message) for w in caught]
 
 
 # ---------------------------------------------------------------- tests
@@ -308,13 +314,15 @@ def test_a_model_built_on_rank_0_only_trains_like_one_process(ranks):
 
 def test_sharded_value_model_gives_rank0_values(ranks):
     ids = make_batch(0)["input_ids"]
-    values = on_ranks(ranks, _values, [ids, ids])
+    results = on_ranks(ranks, _values, [ids, ids])
     critic, _ = load_model("builtin:tiny", head="value", seed=0)
     mask = torch.ones_like(ids)
     with torch.no_grad():
         expected = response_values(critic, ids, mask, mask.cumsum(-1) - 1, RESPONSE)
-    for got in values:
+    for got, caught in results:
         assert float((got - expected).abs().max()) <= 1e-5
+        # the root returns a fresh tensor: an in-place op on a view would skip FSDP2's pre-backward all-gather
+        assert not [w for w in caught if "view" in w], caught
 
 
 def test_checkpoint_written_by_two_ranks_loads_in_one(ranks, tmp_path):

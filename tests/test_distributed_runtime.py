@@ -16,11 +16,13 @@ import pytest
 import torch
 
 from flowrl.data import DataProto
+from flowrl.data.dispatch import get_mode, task_rows
 from flowrl.graph import REGISTRY, load_graph
 from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.trainer import Trainer
-from flowrl.runtime.worker import RoleContext
+from flowrl.runtime.worker import Call, ReadSpec, RoleContext
+from operators.logprob import SEQUENCE_IN
 from operators.roles import Actor, ActorConfig
 
 ray = pytest.importorskip("ray")
@@ -40,25 +42,75 @@ def first_batch(g) -> DataProto:
     return next(iter(source))
 
 
+def single_process_actor(g, weights: dict[str, torch.Tensor] | None = None) -> Actor:
+    """The same actor (seed 0) in this process, optionally holding ``weights``."""
+    actor = Actor(ActorConfig(model="builtin:tiny", optim={"lr": 5.0e-4, "grad_clip": 1.0}),  # as grpo.yaml
+                  RoleContext("actor", 0, 1, g.config.trainer.seed))
+    if weights is not None:
+        actor.model.load_state_dict(weights)
+    return actor
+
+
 def single_process_update(g, batch: DataProto) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The reference: the same actor (seed 0) takes the update on the whole batch in this process."""
     node = g.nodes["update_actor"]
-    actor = Actor(ActorConfig(model="builtin:tiny", optim={"lr": 5.0e-4, "grad_clip": 1.0}),  # as grpo.yaml
-                  RoleContext("actor", 0, 1, g.config.trainer.seed))
+    actor = single_process_actor(g)
     batch = batch.select(list(UPDATE_IN))
     batch.rename([g_name for g_name in node.config.inputs.values()], list(node.config.inputs))
     _, metrics = node.op.run(actor, batch, node.params)
     return actor.model.state_dict(), metrics
 
 
+def single_process_log_probs(g, actor: Actor, batch: DataProto) -> torch.Tensor:
+    node = g.nodes["old_logprob"]
+    out, _ = node.op.run(actor, batch.select(list(SEQUENCE_IN)), node.params)
+    return out["old_log_probs"]
+
+
+def balanced_forward_on_ranks(rt: Runtime, batch: DataProto) -> list[DataProto]:
+    """``old_logprob`` on ``batch`` as one balanced task of the pool's two ranks: each rank's output."""
+    read = ReadSpec(1, tuple(SEQUENCE_IN), None, 1)
+    shard = rt.backend.put(batch.select(list(SEQUENCE_IN)))
+    handles = [rt.backend.submit("train", r, Call("old_logprob", 1, None, (read,), 0, r, 2, "balanced"), [shard])
+               for r in range(2)]
+    return rt.backend.get_many([data for data, _ in handles])
+
+
+def same_on_responses(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    """Max abs difference over real response tokens (ranks pad their outputs to a common width)."""
+    width = mask.shape[1]
+    return float(((a[:, :width] - b[:, :width]) * mask).abs().max())
+
+
 def test_two_ranks_take_the_step_one_process_takes_on_the_whole_batch(ray_session):
-    # an entropy bonus: a gradient even when the first rewards are all equal (zero advantages)
-    g = load_graph("grpo", overrides={**TWO, "nodes.update_actor.entropy_coeff": 0.01})
-    with Runtime(g, backend="ray", fetch=UPDATE_IN) as rt:
+    # an entropy bonus: a gradient even when the first rewards are all equal (zero advantages);
+    # a forward pass (old log-probs) in two streamed micro-batches, balanced over the ranks
+    g = load_graph("grpo", overrides={**TWO, "nodes.update_actor.entropy_coeff": 0.01,
+                                      "nodes.old_logprob.op": "logprob.old", "schedule.micro_batches": 2})
+    with Runtime(g, backend="ray", fetch=UPDATE_IN + ("old_log_probs",)) as rt:
+        assert [t.dispatch for t in rt.plan.node_tasks("old_logprob")] == ["balanced", "balanced"]
         result = rt.run_step(first_batch(g))
         # what another pool or validation loads: gathered by both ranks, landing on rank 0
         (gathered, version), (nothing, _) = rt.backend.get_many(
             [rt.backend.call("train", r, "get_weights", "actor") for r in range(2)])
+        # ragged rows, longest first: a contiguous split would give rank 0 every long row
+        tokens = result.data["attention_mask"].sum(-1)
+        skewed = result.data[torch.argsort(tokens, descending=True, stable=True).tolist()]
+        parts = balanced_forward_on_ranks(rt, skewed)
+    # each rank about the same real tokens: within one row's of each other, closer than a contiguous split
+    real = skewed["attention_mask"].sum(-1)
+    loads = [int(real[task_rows(p)].sum()) for p in parts]
+    contiguous = [int(real[:16].sum()), int(real[16:].sum())]
+    assert sorted(int(i) for p in parts for i in task_rows(p)) == list(range(32))
+    assert abs(loads[0] - loads[1]) <= int(real.max()) and abs(loads[0] - loads[1]) < contiguous[0] - contiguous[1]
+    # collected in row order, the values one process computes on the whole batch
+    mask = skewed["response_mask"]
+    stepped = single_process_actor(g, gathered)
+    collected = get_mode("balanced").collect(parts)["old_log_probs"]
+    assert same_on_responses(collected, single_process_log_probs(g, stepped, skewed), mask) <= TOLERANCE
+    # the step's own forward (two micro-batches, initial weights) came back in the batch's row order too
+    fresh = single_process_log_probs(g, single_process_actor(g), result.data)
+    assert same_on_responses(result.data["old_log_probs"], fresh, result.data["response_mask"]) <= TOLERANCE
     updates = {i.rank: i for i in result.infos if i.node == "update_actor"}
     assert sorted(updates) == [0, 1] and sum(i.rows for i in updates.values()) == 32
     assert all(12 <= i.rows <= 20 for i in updates.values())  # each rank its share, not the whole batch
@@ -90,6 +142,21 @@ def test_two_worker_grpo_resumes_exactly(ray_session, tmp_path):
     assert all(r["reward/mean"] == r["reward/mean"] for r in full)  # finite, every step
 
 
+def test_a_hung_rank_fails_the_step_naming_the_pool_the_rank_and_the_collective(ray_session):
+    g = load_graph("grpo", overrides={**TWO, "pools.train.timeout_s": 6})
+    rt = Runtime(g, backend="ray").start()
+    try:
+        os.kill(rt.backend.pids[("train", 1)], signal.SIGSTOP)  # rank 1 stops answering, without dying
+        with pytest.raises(RuntimeFailure) as err:
+            rt.run_step(first_batch(g))
+        text = " ".join(str(err.value).split())
+        # rank 0 waits in the step's first collective (the rollout's unshard) for the timeout, then names it
+        assert "pool 'train': collective 'unshard for rollout" in text and "failed on rank 0" in text
+        assert "(timeout 6s)" in text and "rank 1 never reached it" in text
+    finally:
+        rt.close()  # SIGKILL reaches a stopped process
+
+
 def test_each_rank_holds_half_the_parameters_and_a_killed_rank_is_named(ray_session):
     g = load_graph("grpo", overrides={**TWO, "pools.train.timeout_s": 20})
     whole = sum(p.numel() * p.element_size()
@@ -119,9 +186,10 @@ def test_each_rank_holds_half_the_parameters_and_a_killed_rank_is_named(ray_sess
             rt.run_step(first_batch(g), step=1)
         text = " ".join(str(err.value).split())
         pid = rt.backend.pids[("train", 1)]
-        # whichever the driver hears first: rank 0 meeting a dead peer in its first collective
-        # (the pool, the collective, the dead rank), or the dead worker's own task
-        assert (("pool 'train'" in text and "failed on rank 0" in text and f"rank 1 (pid {pid}) is dead" in text)
-                or f"worker train[1] (pid {pid}) died" in text), text
+        # rank 0 meets a dead peer in its first collective: the pool, the collective, the dead rank;
+        # or, when Ray fails the dead rank's own task first, that worker: the pool, the rank, the pid
+        collective = ("pool 'train'" in text and "failed on rank 0" in text and "collective 'unshard for rollout"
+                      in text and f"rank 1 (pid {pid}) is dead" in text)
+        assert collective or f"worker train[1] (pid {pid}) died while running node 'generate'" in text, text
     finally:
         rt.close()

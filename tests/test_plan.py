@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
-from flowrl.graph import load_graph
-from flowrl.runtime.plan import make_plan
+import pytest
+import torch
+
+from flowrl.graph import load_graph, operator
+from flowrl.runtime.plan import PlanError, make_plan
 from flowrl.runtime.staleness import Gate
+
+SEQUENCE = {"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]"}
+
+
+@operator("test.plan_group_forward", role="actor", role_kinds=("actor",), scope="group", inputs=SEQUENCE,
+          outputs={"group_score": "float32[B]"}, node_name="group_score")
+def group_forward(actor, batch, p):
+    """A forward pass that needs whole groups, but reads no uid to know them."""
+    return {"group_score": torch.zeros(len(batch))}
+
+
+@operator("test.plan_group_forward_uid", role="actor", role_kinds=("actor",), scope="group",
+          inputs={**SEQUENCE, "uid": "object[B]"}, outputs={"group_score": "float32[B]"}, node_name="group_score")
+def group_forward_uid(actor, batch, p):
+    """A forward pass that needs whole groups and reads their uid."""
+    return {"group_score": torch.zeros(len(batch))}
 
 
 def test_every_task_has_its_reads_dispatch_gates_and_syncs():
@@ -35,6 +54,38 @@ def test_two_workers_split_rows_and_an_update_runs_on_every_rank():
     assert (update.ranks, update.collected, update.dispatch) == ((0, 1), (0,), "all")
 
 
+def dispatch_of(plan) -> dict[str, str]:
+    modes = {node: {t.dispatch for t in plan.node_tasks(node)} for node in plan.graph.nodes}
+    assert all(len(m) == 1 for m in modes.values())  # one mode for every task of a node
+    return {node: m.pop() for node, m in modes.items()}
+
+
+def test_forward_passes_on_a_data_parallel_pool_balance_real_tokens_and_generation_keeps_prompts_whole():
+    plan = make_plan(load_graph("ppo", overrides={"pools.train.workers": 2}))
+    modes = dispatch_of(plan)
+    # log-probs read attention_mask and keep their rows: balanced by real tokens, every micro-batch
+    assert (modes["old_logprob"], modes["ref_logprob"], modes["update_actor"]) == ("balanced",) * 3
+    assert len(plan.node_tasks("old_logprob")) == 2
+    # generation expands each prompt ×4: split, so all samples of a prompt stay on one rank
+    assert modes["generate"] == "split" and "×4" in plan.dispatch_rules["generate"]
+    assert "real tokens (attention_mask)" in plan.dispatch_rules["old_logprob"]
+    # the critic's pool has one worker: its nodes run as declared
+    assert (modes["values"], modes["update_critic"]) == ("split", "all")
+    # no process group (the local backend): forward passes split as declared
+    local = dispatch_of(make_plan(load_graph("ppo", overrides={"pools.train.workers": 2}), data_parallel=False))
+    assert (local["old_logprob"], local["ref_logprob"]) == ("split", "split")
+
+
+def test_a_micro_batch_smaller_than_the_pool_keeps_split():
+    # 4 prompts in 4 micro-batches, n=1: one row per task, two ranks, nothing to balance
+    g = load_graph("ppo", overrides={"pools.train.workers": 2, "data.batch_size": 4, "schedule.micro_batches": 4,
+                                     "nodes.generate.n": 1})
+    plan = make_plan(g)
+    assert dispatch_of(plan)["old_logprob"] == "split"
+    assert "(1) than ranks (2)" in plan.dispatch_rules["old_logprob"]
+    assert dispatch_of(make_plan(g, micro_batches=2))["old_logprob"] == "balanced"
+
+
 def test_flowrl_plan_prints_the_tasks(capsys):
     from rich.console import Console
 
@@ -45,3 +96,12 @@ def test_flowrl_plan_prints_the_tasks(capsys):
     console.print(render_tasks(plan, {}))
     text = console.export_text()
     assert "load rollout ← actor@t-2" in text and "32 → 256" in text
+
+
+def test_a_group_scoped_forward_keeps_groups_whole_and_must_read_their_uid():
+    two = {"pools.train.workers": 2}
+    plan = make_plan(load_graph("ppo", overrides={**two, "nodes.group_score.op": "test.plan_group_forward_uid"}))
+    assert dispatch_of(plan)["group_score"] == "balanced_groups"
+    assert "uid groups whole" in plan.dispatch_rules["group_score"]
+    with pytest.raises(PlanError, match="node 'group_score' is group-scoped .* add uid to its inputs"):
+        make_plan(load_graph("ppo", overrides={**two, "nodes.group_score.op": "test.plan_group_forward"}))

@@ -42,7 +42,7 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
     parts.append(place)
 
     sched = Table(title="schedule", title_justify="left")
-    for col in ("node", "scope", "tasks", "rows", "dispatch"):
+    for col in ("node", "scope", "tasks", "rows", "dispatch", "why (rows → ranks)"):
         sched.add_column(col, overflow="fold")
     for name in g.topological_order():
         node = g.nodes[name]
@@ -51,7 +51,7 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
         space = plan.spaces[name]
         rows = f"× {space.factor}" if space.factor > 1 else "prompts"
         sched.add_row(name, node.scope, f"{len(tasks)} micro-batches" if streamed else "1 (whole batch)",
-                      rows, tasks[0].dispatch)
+                      rows, tasks[0].dispatch, plan.dispatch_rules.get(name, ""))
     parts.append(sched)
     modes = sorted({t.dispatch for t in plan.tasks.values()})
     parts.append(Text("dispatch: " + "; ".join(f"{m}: {get_mode(m).doc}" for m in modes), style="dim"))

@@ -16,12 +16,14 @@ Built in:
 * ``driver`` — one run, on rank 0, with the whole batch.
 * ``balanced`` / ``balanced_groups`` — data parallel: every rank its rows of the
   batch, assigned by :func:`~flowrl.data.balance.balance_ranks` so each holds
-  about the same number of real tokens (``balanced_groups`` keeps the rows of
-  one ``uid`` whole on one rank); every rank reports, and the outputs are put
-  back in the batch's row order. The plan picks these for the updates of a
-  pool whose ranks form a process group.
+  about the same number of real tokens (:data:`TOKEN_MASK` ones;
+  ``balanced_groups`` keeps the rows of one ``uid`` whole on one rank); every
+  rank reports, and the outputs are put back in the batch's row order. The
+  plan picks these on a pool whose ranks form a process group, for updates and
+  for forward passes (log-probs, values, reward models) that read
+  :data:`TOKEN_MASK` and do not expand rows.
 
-A new mode (data-parallel with balanced tokens, say) registers a
+A new mode (one that orders rows by length, say) registers a
 :class:`DispatchMode` with :func:`dispatch_mode`; nothing else changes.
 
 Example::
@@ -117,17 +119,22 @@ def _whole(batch: "DataProto", rank: int, world: int) -> "DataProto":
     return batch
 
 
-#: the column a balanced split tags each row with (its index in the whole batch), so the
-#: outputs can be put back in order; the worker carries it from a task's input to its output
+#: the column a balanced split tags each row with, so the outputs can be put back in
+#: order; the worker carries it from a task's input to its output (see :func:`_tags`)
 ROW_INDEX = "_dispatch_row"
+#: the column whose ones are a row's real tokens: what balanced dispatch evens out
+TOKEN_MASK = "attention_mask"
+#: a row's tag is ``rows of its task << _TASK_BITS | its index in the task``
+_TASK_BITS = 32
+_ROW_MASK = (1 << _TASK_BITS) - 1
 
 
 def real_tokens(batch: "DataProto"):
-    """Each row's real token count (``attention_mask`` ones; else one per row)."""
+    """Each row's real token count (:data:`TOKEN_MASK` ones; else one per row)."""
     import torch
 
-    if batch.batch is not None and "attention_mask" in batch.batch.keys():
-        return batch.batch["attention_mask"].sum(-1)
+    if batch.batch is not None and TOKEN_MASK in batch.batch.keys():
+        return batch.batch[TOKEN_MASK].sum(-1)
     return torch.ones(len(batch), dtype=torch.int64)
 
 
@@ -151,9 +158,21 @@ def _balanced_split(keep_groups: bool) -> Callable[["DataProto", int, int], "Dat
             return batch
         rows = balanced_rows(batch, world, keep_groups)[rank]
         part = batch[rows]
-        part.non_tensor_batch[ROW_INDEX] = np.asarray(rows, dtype=np.int64)
+        part.non_tensor_batch[ROW_INDEX] = _tags(np.asarray(rows, dtype=np.int64), len(batch))
         return part
     return split
+
+
+def _tags(rows, total: int):
+    """Row tags of one task: its row count and each row's index in it, as one int64.
+
+    A consumer may concatenate the outputs of several balanced tasks (a barrier
+    reads every micro-batch of its producer); the count says where each task's
+    rows end, so each is put back in order on its own. The tag is linear, so a
+    task that expands every row ``f`` times maps it with ``tag * f + j`` and
+    its output is tagged as a task of ``total * f`` rows.
+    """
+    return (total << _TASK_BITS) + rows
 
 
 def _collect_in_order(parts: list["DataProto"]) -> "DataProto":
@@ -161,15 +180,36 @@ def _collect_in_order(parts: list["DataProto"]) -> "DataProto":
     return in_row_order(_concat(parts))
 
 
-def in_row_order(out: "DataProto") -> "DataProto":
-    """``out`` (ranks' outputs of a balanced task, concatenated) in the whole batch's row order,
-    without the :data:`ROW_INDEX` column; unchanged when it has none."""
+def task_rows(part: "DataProto"):
+    """Which rows of its task's batch a rank's part (or output) of a balanced task holds,
+    in the part's order; ``None`` when it is not tagged (another mode)."""
     import numpy as np
 
-    index = out.non_tensor_batch.pop(ROW_INDEX, None)
-    if index is None or len(out) == 0:
+    tags = part.non_tensor_batch.get(ROW_INDEX)
+    return None if tags is None else np.asarray(tags, dtype=np.int64) & _ROW_MASK
+
+
+def in_row_order(out: "DataProto") -> "DataProto":
+    """``out`` (the ranks' outputs of balanced tasks, concatenated task after task) with each
+    task's rows back in its batch's order, without the :data:`ROW_INDEX` column; unchanged
+    when it has none."""
+    import numpy as np
+
+    tags = out.non_tensor_batch.pop(ROW_INDEX, None)
+    if tags is None or len(out) == 0:
         return out
-    return out[np.argsort(index, kind="stable").tolist()]
+    tags = np.asarray(tags, dtype=np.int64)
+    totals, index = tags >> _TASK_BITS, tags & _ROW_MASK
+    order, start = [], 0
+    while start < len(tags):  # one task's rows: as many as its tag says it has
+        end = start + int(totals[start])
+        rows = index[start:end]
+        if end <= start or end > len(tags) or sorted(rows.tolist()) != list(range(end - start)):
+            raise DispatchError(f"rows {start}:{end} of a balanced collect are not one task's rows "
+                                f"(a rank's output is missing or out of order)")
+        order.extend((start + np.argsort(rows, kind="stable")).tolist())
+        start = end
+    return out[order]
 
 
 SPLIT = dispatch_mode(DispatchMode(
@@ -197,4 +237,4 @@ BALANCED_GROUPS = dispatch_mode(DispatchMode(
 DATA_PARALLEL = {"batch": "balanced", "row": "balanced", "group": "balanced_groups"}
 
 
-__all__ = ["BALANCED", "BALANCED_GROUPS", "DATA_PARALLEL", "ROW_INDEX", "balanced_rows", "in_row_order", "real_tokens", "DISPATCH_MODES", "DispatchError", "DispatchMode", "dispatch_mode", "get_mode", "rank_rows"]
+__all__ = ["BALANCED", "BALANCED_GROUPS", "DATA_PARALLEL", "ROW_INDEX", "TOKEN_MASK", "balanced_rows", "in_row_order", "real_tokens", "task_rows", "DISPATCH_MODES", "DispatchError", "DispatchMode", "dispatch_mode", "get_mode", "rank_rows"]

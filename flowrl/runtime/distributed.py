@@ -239,11 +239,13 @@ class PoolGroup:
         try:
             self._store.set_timeout(datetime.timedelta(seconds=2))
             notes = []
+            # a killed peer's sockets close before its process is gone: give it a moment to finish dying
+            dying_until = time.monotonic() + _DYING_S
             for peer in range(self.world_size):
                 if peer == self.rank:
                     continue
                 host, pid = (self._store.get(f"proc/{peer}").decode().split("\t") + [""])[:2]
-                if host == socket.gethostname() and pid and not _alive(int(pid)):
+                if host == socket.gethostname() and pid and not _alive(int(pid), until=dying_until):
                     notes.append(f"rank {peer} (pid {pid}) is dead")
                     continue
                 where = (self._store.get(f"at/{peer}").decode().split("\t", 1)
@@ -277,10 +279,20 @@ def _is_comm_failure(err: BaseException) -> bool:
     return any(s in text for s in ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket"))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            state = next((line.split()[1] for line in f if line.startswith("State:")), "")
-        return state not in ("Z", "X")
-    except FileNotFoundError:
-        return False
+#: how long a diagnosis waits for a peer whose connection broke to show up as dead
+_DYING_S = 2.0
+
+
+def _alive(pid: int, until: float = 0.0) -> bool:
+    """Whether process ``pid`` (this host) is alive, polling until ``until`` (monotonic) for it to die."""
+    while True:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                state = next((line.split()[1] for line in f if line.startswith("State:")), "")
+            if state in ("Z", "X"):
+                return False
+        except FileNotFoundError:
+            return False
+        if time.monotonic() >= until:
+            return True
+        time.sleep(0.05)

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import networkx as nx
 
-from flowrl.data.dispatch import DATA_PARALLEL, get_mode
+from flowrl.data.dispatch import DATA_PARALLEL, TOKEN_MASK, get_mode
 from flowrl.graph import SOURCE, Graph
 from flowrl.runtime.staleness import Gate
 
@@ -129,6 +130,7 @@ class Plan:
     pool_order: dict[str, list[tuple[str, int | None]]]  # pool → its tasks in run order
     order: list[tuple[str, int | None]]  # all tasks, a topological order by priority
     moved: dict[str, str] = field(default_factory=dict)  # stateless node → the pool that runs it
+    dispatch_rules: dict[str, str] = field(default_factory=dict)  # node → why its tasks run their dispatch mode
 
     def pool_of(self, node: str) -> str:
         """Where a node runs: its role's pool, the pool a light node moved to, or the driver."""
@@ -149,13 +151,41 @@ class Plan:
         return simulate(self, costs)
 
 
-def _dispatch(node: Any, on_rank0: bool, world: int, data_parallel: bool) -> str:
-    """The dispatch mode a node's tasks run under (see :func:`make_plan`)."""
+def dispatch_rule(node: Any, on_rank0: bool, world: int, data_parallel: bool, rows: int) -> tuple[str, str]:
+    """The dispatch mode a node's tasks run under, and the rule that picked it, in words.
+
+    On a pool whose ranks form a process group (``data_parallel``, more than
+    one worker) rows are assigned to ranks by real tokens
+    (:data:`~flowrl.data.dispatch.DATA_PARALLEL` by the node's scope: groups
+    kept whole where the scope is ``group``) for an update (declared ``all``)
+    and for a forward pass (declared ``split``) that reads
+    :data:`~flowrl.data.dispatch.TOKEN_MASK`. A node that expands rows
+    (generation with ``n`` samples) keeps ``split``: each rank its prompts, all
+    samples of a prompt on that rank. ``rows`` is the fewest rows one of the
+    node's tasks gets: a forward pass balances only when every rank can get one.
+    """
+    declared = node.op.dispatch
     if on_rank0:
-        return "driver"
-    if data_parallel and world > 1 and node.op.dispatch == "all":
-        return DATA_PARALLEL[node.scope]
-    return node.op.dispatch
+        return "driver", "one run with the whole batch"
+    if world == 1:
+        return declared, "one worker"
+    if not data_parallel:
+        return declared, "as declared: the ranks form no process group (threads of one process)"
+    balanced = DATA_PARALLEL[node.scope]
+    tokens = f"rows to ranks by real tokens ({TOKEN_MASK})" + (", uid groups whole" if node.scope == "group" else "")
+    if declared == "all":
+        return balanced, f"an update, data parallel: {tokens}"
+    if declared != "split":
+        return declared, "as declared"
+    factor = node.op.expansion(node.params)
+    if factor > 1:
+        return declared, (f"expands each row ×{factor}: each rank its share of the rows, "
+                          f"all {factor} samples of a row on that rank")
+    if TOKEN_MASK not in node.input_names():
+        return declared, f"reads no {TOKEN_MASK} to count real tokens: contiguous rows by count"
+    if rows < world:
+        return declared, f"fewer rows in a task ({rows}) than ranks ({world}): nothing to balance"
+    return balanced, f"a forward pass, data parallel: {tokens}"
 
 
 def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | None = None,
@@ -164,10 +194,11 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
 
     ``data_parallel``: the ranks of a pool form one process group (the ray
     backend), so a node declared ``dispatch="all"`` (an update) runs data
-    parallel instead: each rank its balanced share of the rows
-    (:data:`~flowrl.data.dispatch.DATA_PARALLEL` by the node's scope). Without
-    one (threads in one process) every rank keeps its own copy and gets the
-    whole batch, as declared.
+    parallel instead, and so does a forward pass declared ``split`` that does
+    not expand rows: each rank its share of the rows, balanced by real tokens
+    (:func:`dispatch_rule`). Without one (threads in one process) every node
+    runs as declared: an update on every rank with the whole batch. The rule
+    that picked each node's mode is in :attr:`Plan.dispatch_rules`.
     """
     k = micro_batches or graph.config.schedule.micro_batches
     prompts = batch_size or graph.config.data.batch_size
@@ -178,6 +209,7 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
     producers = {f: ps[0] for f, ps in graph.producers().items()}
     placement = place_light_nodes(graph) if graph.config.schedule.colocate_light_nodes else {}
     tasks: dict[tuple[str, int | None], Task] = {}
+    rules: dict[str, str] = {}
     gates = _gates(graph)
     publishes = _publishers(graph)
     for name in graph.topological_order():
@@ -187,7 +219,13 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
         mbs: list[int | None] = list(range(k)) if streams else [None]
         # a light node moved onto a pool runs once, on its rank 0, like on the driver
         world = 1 if pool == DRIVER else graph.config.pools[pool].workers
-        mode = get_mode(_dispatch(node, pool == DRIVER or name in placement, world, data_parallel))
+        fewest = min(b - a for a, b in pairwise(bounds)) if streams else prompts
+        mode_name, rules[name] = dispatch_rule(node, pool == DRIVER or name in placement, world, data_parallel,
+                                               fewest * spaces[name].factor)
+        if mode_name == "balanced_groups" and "uid" not in node.input_names():
+            raise PlanError(f"node {name!r} is group-scoped and runs data parallel on pool {pool!r}, but reads "
+                            f"no 'uid' to keep each group on one rank; add uid to its inputs")
+        mode = get_mode(mode_name)
         for mb in mbs:
             task = Task(name, mb, pool, cost=node.cost / (k if mb is not None else 1),
                         dispatch=mode.name, ranks=tuple(mode.ranks(world)), collected=tuple(mode.collected(world)),
@@ -215,7 +253,7 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
     pool_order: dict[str, list[tuple[str, int | None]]] = {}
     for key in order:
         pool_order.setdefault(tasks[key].pool, []).append(key)
-    return Plan(graph, k, bounds, spaces, tasks, pool_order, order, placement)
+    return Plan(graph, k, bounds, spaces, tasks, pool_order, order, placement, rules)
 
 
 def _gates(graph: Graph) -> dict[str, tuple[Gate, ...]]:

@@ -57,7 +57,9 @@ class ValueModel(nn.Module):
         hidden = self.backbone(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         ).last_hidden_state
-        return self.value_head(hidden).squeeze(-1).float()
+        # w · h + c straight to [B, T]: a fresh tensor, not a view of the head's [B, T, 1] output
+        # (an FSDP2 root must not return a view; in float32 `.float()` would not copy it)
+        return (hidden @ self.value_head.weight[0] + self.value_head.bias).float()
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write the backbone as a HF directory plus ``value_head.safetensors`` beside it."""
