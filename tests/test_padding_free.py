@@ -161,6 +161,9 @@ def test_packed_rows_give_the_masked_full_width_pass(ragged_batch):
     expected = logprobs_from_logits(logits, ids[:, -width:])
     assert torch.allclose(log_probs[mask], expected[mask], atol=1e-5)
     assert torch.allclose(entropy[mask], entropy_from_logits(logits)[mask], atol=1e-5)
+    # past a row's last token nothing is read: a row's outputs do not depend on the rows beside it
+    alone = response_log_probs(model, ids[:3], attn[:3], pos[:3], width, temperature=0.7)[0]
+    assert torch.allclose(alone, log_probs[:3], atol=1e-5)
     params = [p for p in model.parameters()]
     ours = torch.autograd.grad(log_probs[mask].sum(), params)
     theirs = torch.autograd.grad(expected[mask].sum(), params)

@@ -11,8 +11,8 @@ to start at column 0 and cut to the longest row, so the model runs plain
 causal attention (no mask to build or apply) over real columns only, and the
 LM head runs only from the first column that predicts a response token. Real
 positions get the same values as a masked full-width pass, up to float
-reordering; padded response positions hold some other real position's value
-(every consumer masks them).
+reordering; response positions past a row's last token come back as 0 logits
+(0 values), so a row's outputs do not depend on the rows beside it.
 
 Example::
 
@@ -119,6 +119,8 @@ class PackedRows:
     source: torch.Tensor
     #: ``[B, R]``: the packed column whose output belongs to each response token
     read: torch.Tensor
+    #: ``[B, R]``: whether that response token is one of the row's tokens (not padding)
+    real: torch.Tensor
     width: int
 
     def take(self, columns: torch.Tensor) -> torch.Tensor:
@@ -126,10 +128,12 @@ class PackedRows:
         return columns.gather(1, self.source)
 
     def read_out(self, outputs: torch.Tensor, kept: int) -> torch.Tensor:
-        """``[B, R, ...]`` from outputs of the last ``kept`` packed columns (``[B, kept, ...]``)."""
-        index = self.read - (self.width - kept)
-        index = index.view(*index.shape, *([1] * (outputs.dim() - 2))).expand(-1, -1, *outputs.shape[2:])
-        return outputs.gather(1, index)
+        """``[B, R, ...]`` from outputs of the last ``kept`` packed columns (``[B, kept, ...]``); 0 past
+        each row's last token."""
+        trailing = [1] * (outputs.dim() - 2)
+        index = (self.read - (self.width - kept)).view(*self.read.shape, *trailing)
+        picked = outputs.gather(1, index.expand(-1, -1, *outputs.shape[2:]))
+        return picked.masked_fill(~self.real.view(*self.real.shape, *trailing), 0)
 
 
 def pack_rows(attention_mask: torch.Tensor, response_length: int) -> PackedRows | None:
@@ -148,5 +152,7 @@ def pack_rows(attention_mask: torch.Tensor, response_length: int) -> PackedRows 
         return None
     width = max(int(lengths.max()), 1) if rows else 1
     source = (columns[:width] + lead[:, None]).clamp(max=total - 1)
-    read = (columns[total - response_length - 1:total - 1] - lead[:, None]).clamp(0, width - 1)
-    return PackedRows(source, read, width)
+    # response token j (column T - R + j) is predicted at column T - R - 1 + j, shifted by the row's lead
+    read = columns[total - response_length - 1:total - 1] - lead[:, None]
+    real = (read >= 0) & (read < (lengths - 1)[:, None])
+    return PackedRows(source, read.clamp(0, width - 1), real, width)
