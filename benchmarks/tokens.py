@@ -6,15 +6,17 @@ themselves, in this process, on one core, twice from the same seed:
 
 * **padded** — the old path: every row steps until the longest stops
   (``rollout.drop_finished: false``), responses ``max_new_tokens`` wide, the
-  update one full-width pass (no token budget);
+  update one pass over the whole batch (no token budget), as wide as its
+  longest row;
 * **trimmed** — finished rows leave the decode batch and the KV cache,
   responses as wide as the longest, the update in length-bucketed micro-batches
   under ``max_tokens_per_micro_batch``, each cut to its own longest response.
 
 Reported per setting: seconds per step, real (response) tokens per second,
 the padded share of decode positions (rows stepped per token vs tokens made)
-and of update positions (``rows × width`` summed over micro-batches vs real
-prompt + response tokens), and the update's useful MFU: ``6 · params · real
+and of update positions (``rows × width`` summed over micro-batches, a
+micro-batch as wide as its longest row, vs real prompt + response tokens),
+the update's share of the step, and the update's useful MFU: ``6 · params · real
 tokens`` FLOPs per second of update, against this core's float32 matmul
 peak (512³) and against the model's own MLP matmul (2048 rows × hidden ×
 MLP width), both measured just before each setting (the machine may be
@@ -107,13 +109,13 @@ def prompts(loader: PromptLoader, tokenizer_spec: str) -> DataProto:
 
 
 def update_positions(batch: DataProto, budget: int | None) -> int:
-    """Positions the update's forward passes cover, micro-batch by micro-batch, as ``fit`` cuts them."""
+    """Positions the update's forward passes cover: micro-batches as ``fit`` cuts them (one without a
+    budget), each as wide as its longest row's real tokens (the forward packs rows to column 0)."""
     width, total = batch["responses"].shape[1], batch["input_ids"].shape[1]
-    if budget is None:
-        return len(batch) * total
-    lengths = response_lengths(batch)
-    return sum(len(rows) * (total - width + max(1, int(lengths[rows].max())))
-               for rows in token_budget_split(lengths, total - width, budget))
+    real = batch["attention_mask"].sum(-1)
+    parts = ([torch.arange(len(batch))] if budget is None
+             else token_budget_split(response_lengths(batch), total - width, budget))
+    return sum(len(rows) * int(real[rows].max()) for rows in parts)
 
 
 def run_setting(model: str, max_new: int, trimmed: bool, steps: int, prompts_per_step: int,
@@ -173,6 +175,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     args = ap.parse_args()
     args.lengths = args.lengths or DEFAULT_LENGTHS[args.model]
+    hf("logging").disable_progress_bar()  # saving and loading llama-25m would draw bars between the tables
 
     results: dict[tuple[int, bool], dict[str, float]] = {}
     with tempfile.TemporaryDirectory() as root:
@@ -202,7 +205,7 @@ def main() -> None:
              f"{min(model):.0f}-{max(model):.0f} GFLOP/s)",
              f"{args.prompts} prompts x {args.n} samples per step, {args.steps} timed steps per setting; "
              f"token budget {BUDGET} positions per micro-batch (trimmed)"]
-    for trimmed in (False, True):
+    for trimmed in (False, True) if len(args.lengths) > 1 else ():
         label = "trimmed" if trimmed else "padded"
         at_first = results[(first, trimmed)]["tokens_per_s"]
         ratios = ", ".join(f"{m}: {at_first / results[(m, trimmed)]['tokens_per_s']:.2f}x"

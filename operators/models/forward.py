@@ -83,17 +83,19 @@ def response_logits(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """``logits[B, R, V] / T`` in fp32 at the positions that predict the response tokens."""
-    temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report T = 1 log-probs
     packed = pack_rows(attention_mask, response_length)
     if packed is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=response_length + 1).logits
-        return logits[:, :-1].float() / temperature
-    # the LM head runs from the first column that predicts a response token in any row
-    keep = packed.width - int(packed.read.min())
-    logits = model(input_ids=packed.take(input_ids), position_ids=packed.take(position_ids),
-                   logits_to_keep=keep).logits
-    return packed.read_out(logits, keep).float() / temperature
+                       logits_to_keep=response_length + 1).logits[:, :-1]
+    else:
+        # the LM head runs from the first column that predicts a response token in any row
+        keep = packed.width - int(packed.read.min())
+        logits = model(input_ids=packed.take(input_ids), position_ids=packed.take(position_ids),
+                       logits_to_keep=keep).logits
+        logits = packed.read_out(logits, keep)
+    logits = logits.float()
+    # greedy rollouts (T = 0) report T = 1 log-probs; dividing by 1 would copy every logit for nothing
+    return logits if temperature <= 0 or temperature == 1.0 else logits / temperature
 
 
 def response_values(
