@@ -147,12 +147,14 @@ def pack_rows(attention_mask: torch.Tensor, response_length: int) -> PackedRows 
     """
     mask = attention_mask.bool()
     rows, total = mask.shape
+    if rows == 0 or response_length == 0:
+        return None
     columns = torch.arange(total, device=mask.device)
     lengths = mask.sum(-1)
     lead = mask.int().argmax(-1)  # first real column (0 for an empty row)
     if not torch.equal(mask, (columns >= lead[:, None]) & (columns < (lead + lengths)[:, None])):
         return None
-    width = max(int(lengths.max()), 1) if rows else 1
+    width = max(int(lengths.max()), 1)
     source = (columns[:width] + lead[:, None]).clamp(max=total - 1)
     # response token j (column T - R + j) is predicted at column T - R - 1 + j, shifted by the row's lead
     read = columns[total - response_length - 1:total - 1] - lead[:, None]
