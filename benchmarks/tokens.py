@@ -6,28 +6,38 @@ themselves, in this process, on one core, twice from the same seed:
 
 * **padded** — the old path: every row steps until the longest stops
   (``rollout.drop_finished: false``), responses ``max_new_tokens`` wide, the
-  update one full-width pass (no token budget);
+  update one pass over the whole batch (no token budget), as wide as its
+  longest row;
 * **trimmed** — finished rows leave the decode batch and the KV cache,
   responses as wide as the longest, the update in length-bucketed micro-batches
   under ``max_tokens_per_micro_batch``, each cut to its own longest response.
 
 Reported per setting: seconds per step, real (response) tokens per second,
 the padded share of decode positions (rows stepped per token vs tokens made)
-and of update positions (``rows × width`` summed over micro-batches vs real
-prompt + response tokens), and the update's useful MFU: ``6 · params · real
-tokens`` FLOPs per second of update, against this core's float32 matmul
-peak (512³) and against ``builtin:tiny``'s own MLP matmul (2048×128×512), both
-measured just before each setting (the machine may be shared). The model
-starts untrained, so response lengths are what an untrained policy writes:
-long-tailed, cut at ``max_new_tokens``.
+and of update positions (``rows × width`` summed over micro-batches, a
+micro-batch as wide as its longest row, vs real prompt + response tokens),
+the update's share of the step, and the update's useful MFU: ``6 · params ·
+real tokens`` FLOPs per second of update (the best timed step), against this
+core's float32 matmul peak (512³) and against the model's own MLP matmul (2048
+rows × hidden × MLP width), both the best of repeated timings just before each
+setting (the machine may be shared). The model starts untrained, so response lengths are what an
+untrained policy writes: long-tailed, cut at ``max_new_tokens``.
 
-    PYTHONPATH=$PWD python benchmarks/tokens.py            # 8, 64, 128, 512 new tokens
+``--model`` picks the policy: ``builtin:tiny`` (0.53M parameters, hidden 128:
+its matmuls are too small to reach the core's peak) or ``llama-25m`` (hidden
+512, 6 layers, MLP 2048, the same word tokenizer, so the task runs unchanged;
+built here from a config and saved as a local model directory, loaded the way
+a user's model is).
+
+    PYTHONPATH=$PWD python benchmarks/tokens.py            # builtin:tiny at 8, 64, 128, 512 new tokens
     PYTHONPATH=$PWD python benchmarks/tokens.py --steps 3 --lengths 8 128
+    PYTHONPATH=$PWD python benchmarks/tokens.py --model llama-25m     # at 8 and 128 new tokens
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import _common  # noqa: F401  (repository on sys.path, one torch thread)
@@ -40,10 +50,32 @@ from flowrl.runtime.worker import RoleContext
 from operators import actor as actor_ops
 from operators import advantage, reward, rollout
 from operators.data import PromptLoader, load_dataset
+from operators.models import VOCAB, build_tiny_tokenizer, save_model
+from operators.models.hf import hf
 from operators.models.microbatch import response_lengths, token_budget_split
 from operators.roles import Actor, ActorConfig
 
 BUDGET = 2048
+#: ``--model`` choices: builtin ones by name, the others built by :func:`build_model_dir`
+MODELS = {"builtin:tiny": None,
+          "llama-25m": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=6, num_attention_heads=8)}
+#: ``max_new_tokens`` settings when ``--lengths`` is not given (the padded path of the larger model
+#: at 512 would take minutes a step)
+DEFAULT_LENGTHS = {"builtin:tiny": [8, 64, 128, 512], "llama-25m": [8, 128]}
+
+
+def build_model_dir(name: str, root: str) -> str:
+    """A randomly initialised Llama of shape ``MODELS[name]`` over builtin:tiny's word vocabulary,
+    saved with that tokenizer as a local model directory; returns its path."""
+    tokenizer = build_tiny_tokenizer()
+    config = hf("LlamaConfig")(vocab_size=len(VOCAB), num_key_value_heads=MODELS[name]["num_attention_heads"],
+                               max_position_embeddings=1024, tie_word_embeddings=True,
+                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, **MODELS[name])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = hf("LlamaForCausalLM")(config)
+    return str(save_model(model, tokenizer, f"{root}/{name}"))
 
 
 def matmul_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
@@ -58,9 +90,9 @@ def matmul_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
     return 2 * m * k * n / best
 
 
-def peaks() -> tuple[float, float]:
-    """(the core's matmul peak: 512×512×512, builtin:tiny's own MLP matmul: 2048×128×512) in FLOP/s."""
-    return matmul_rate(512, 512, 512), matmul_rate(2048, 128, 512)
+def peaks(config) -> tuple[float, float]:
+    """(the core's matmul peak: 512×512×512, the model's own MLP matmul: 2048 × hidden × MLP width) in FLOP/s."""
+    return matmul_rate(512, 512, 512), matmul_rate(2048, config.hidden_size, config.intermediate_size)
 
 
 def prompts(loader: PromptLoader, tokenizer_spec: str) -> DataProto:
@@ -77,24 +109,25 @@ def prompts(loader: PromptLoader, tokenizer_spec: str) -> DataProto:
 
 
 def update_positions(batch: DataProto, budget: int | None) -> int:
-    """Positions the update's forward passes cover, micro-batch by micro-batch, as ``fit`` cuts them."""
+    """Positions the update's forward passes cover: micro-batches as ``fit`` cuts them (one without a
+    budget), each as wide as its longest row's real tokens (the forward packs rows to column 0)."""
     width, total = batch["responses"].shape[1], batch["input_ids"].shape[1]
-    if budget is None:
-        return len(batch) * total
-    lengths = response_lengths(batch)
-    return sum(len(rows) * (total - width + max(1, int(lengths[rows].max())))
-               for rows in token_budget_split(lengths, total - width, budget))
+    real = batch["attention_mask"].sum(-1)
+    parts = ([torch.arange(len(batch))] if budget is None
+             else token_budget_split(response_lengths(batch), total - width, budget))
+    return sum(len(rows) * int(real[rows].max()) for rows in parts)
 
 
-def run_setting(max_new: int, trimmed: bool, steps: int, prompts_per_step: int, n: int) -> dict[str, float]:
-    cfg = ActorConfig(optim={"lr": 5e-4, "grad_clip": 1.0}, rollout={"drop_finished": trimmed},
+def run_setting(model: str, max_new: int, trimmed: bool, steps: int, prompts_per_step: int,
+                n: int) -> dict[str, float]:
+    cfg = ActorConfig(model=model, optim={"lr": 5e-4, "grad_clip": 1.0}, rollout={"drop_finished": trimmed},
                       max_tokens_per_micro_batch=BUDGET if trimmed else None)
     role = Actor(cfg, RoleContext("actor", 0, 1, seed=0))
     loader = PromptLoader(load_dataset("builtin:skewed", role.tokenizer), batch_size=prompts_per_step, seed=0)
     params = sum(p.numel() for p in role.model.parameters())
-    totals = dict(step=0.0, update=0.0, real=0, decode=0, update_pos=0, update_real=0)
+    totals = dict(step=0.0, update=0.0, real=0, decode=0, update_pos=0, update_real=0, update_rate=0.0)
     # the machine may be shared: measure the peaks next to the work they are compared with
-    core_peak, model_peak = peaks()
+    core_peak, model_peak = peaks(role.model.config)
     for step in range(steps + 1):  # step 0 warms up allocators and kernels; not counted
         batch = prompts(loader, "builtin:tiny")
         t0 = time.perf_counter()
@@ -118,30 +151,40 @@ def run_setting(max_new: int, trimmed: bool, steps: int, prompts_per_step: int, 
         totals["decode"] += int(lengths.sum()) if trimmed else len(lengths) * int(lengths.max())
         totals["update_pos"] += update_positions(out, cfg.max_tokens_per_micro_batch)
         totals["update_real"] += int(out["attention_mask"].sum())
+        # like the peaks, the best of the timed steps: a step slowed by another process says nothing of the code
+        totals["update_rate"] = max(totals["update_rate"], 6 * params * int(out["attention_mask"].sum()) / (t2 - t1))
     return {
         "s_per_step": totals["step"] / steps,
         "tokens_per_s": totals["real"] / totals["step"],
         "decode_pad": 1 - totals["real"] / totals["decode"],
         "update_pad": 1 - totals["update_real"] / totals["update_pos"],
-        "update_flops": 6 * params * totals["update_real"] / totals["update"],
+        "update_flops": totals["update_rate"],
         "update_share": totals["update"] / totals["step"],
         "core_peak": core_peak, "model_peak": model_peak,
-        "mean_len": totals["real"] / (steps * prompts_per_step * n),
+        "mean_len": totals["real"] / (steps * prompts_per_step * n), "params": params,
+        "mlp_shape": f"2048x{role.model.config.hidden_size}x{role.model.config.intermediate_size}",
     }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[8, 64, 128, 512], help="max_new_tokens settings")
+    ap.add_argument("--model", choices=list(MODELS), default="builtin:tiny",
+                    help="the policy: builtin:tiny (hidden 128) or llama-25m (hidden 512, 6 layers, MLP 2048)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None,
+                    help="max_new_tokens settings (default: 8 64 128 512 for builtin:tiny, 8 128 for llama-25m)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per setting (after one warm-up step)")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
     args = ap.parse_args()
+    args.lengths = args.lengths or DEFAULT_LENGTHS[args.model]
+    hf("logging").disable_progress_bar()  # saving and loading llama-25m would draw bars between the tables
 
     results: dict[tuple[int, bool], dict[str, float]] = {}
-    for max_new in args.lengths:
-        for trimmed in (False, True):
-            results[(max_new, trimmed)] = run_setting(max_new, trimmed, args.steps, args.prompts, args.n)
+    with tempfile.TemporaryDirectory() as root:
+        model = args.model if MODELS[args.model] is None else build_model_dir(args.model, root)
+        for max_new in args.lengths:
+            for trimmed in (False, True):
+                results[(max_new, trimmed)] = run_setting(model, max_new, trimmed, args.steps, args.prompts, args.n)
 
     rows = []
     for max_new in args.lengths:
@@ -156,18 +199,22 @@ def main() -> None:
     first = args.lengths[0]
     core = [r["core_peak"] / 1e9 for r in results.values()]
     model = [r["model_peak"] / 1e9 for r in results.values()]
-    notes = [f"update MFU: 6·params·real tokens per second of update over this core's float32 matmul peak "
-             f"(512x512x512, one thread, measured before each setting: {min(core):.0f}-{max(core):.0f} GFLOP/s); "
-             f"vs model mm: over builtin:tiny's own MLP matmul (2048x128x512: {min(model):.0f}-{max(model):.0f} GFLOP/s)",
+    any_result = next(iter(results.values()))
+    notes = [f"{args.model}: {any_result['params'] / 1e6:.2f}M parameters",
+             f"update MFU: 6·params·real tokens per second of update (the best timed step) over this core's "
+             f"float32 matmul peak (512x512x512, one thread, measured before each setting: "
+             f"{min(core):.0f}-{max(core):.0f} GFLOP/s); "
+             f"vs model mm: over the model's own MLP matmul ({any_result['mlp_shape']}: "
+             f"{min(model):.0f}-{max(model):.0f} GFLOP/s)",
              f"{args.prompts} prompts x {args.n} samples per step, {args.steps} timed steps per setting; "
              f"token budget {BUDGET} positions per micro-batch (trimmed)"]
-    for trimmed in (False, True):
+    for trimmed in (False, True) if len(args.lengths) > 1 else ():
         label = "trimmed" if trimmed else "padded"
         at_first = results[(first, trimmed)]["tokens_per_s"]
         ratios = ", ".join(f"{m}: {at_first / results[(m, trimmed)]['tokens_per_s']:.2f}x"
                            for m in args.lengths[1:])
         notes.append(f"{label}: real tokens/s at {first} over the rate at ({ratios})  (goal at 128: <= 1.5x)")
-    print_table("GRPO on builtin:skewed: padded vs trimmed",
+    print_table(f"GRPO on builtin:skewed, {args.model}: padded vs trimmed",
                 ["max_new_tokens", "path", "mean len", "s/step", "real tok/s", "vs padded", "decode pad",
                  "update pad", "update time", "update MFU", "vs model mm"], rows, notes)
 

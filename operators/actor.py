@@ -156,7 +156,7 @@ def update(actor, batch, p: ActorUpdate):
     def loss_fn(mb, norm=None):
         log_prob, entropy = response_log_probs(actor.model, mb["input_ids"], mb["attention_mask"],
                                                mb["position_ids"], mb["responses"].shape[1], p.temperature,
-                                               with_entropy=True)
+                                               with_entropy=True, entropy_grad=p.entropy_coeff > 0)
         mask = mb["response_mask"]
         agg = agg_kwargs(norm)
         weights = None

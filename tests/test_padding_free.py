@@ -19,6 +19,9 @@ from flowrl.runtime.worker import RoleContext
 from operators import actor as actor_ops
 from operators import critic as critic_ops
 from operators import logprob
+from operators.algos.functional import entropy_from_logits, logprobs_from_logits
+from operators.models import response_log_probs, response_values
+from operators.models.forward import pack_rows
 from operators.models.microbatch import response_lengths, token_budget_split
 from operators.roles import Actor, ActorConfig, Critic, LossNorm, ModelRoleConfig
 from operators.rollout import HFRolloutEngine
@@ -137,6 +140,46 @@ def test_forward_passes_under_a_token_budget_equal_one_full_width_pass(ragged_ba
     values = critic_ops.values(Critic(ModelRoleConfig(), ctx), seq).batch["values"]
     trimmed_values = critic_ops.values(Critic(ModelRoleConfig(max_tokens_per_micro_batch=budget), ctx), seq)
     assert torch.allclose(trimmed_values.batch["values"][mask], values[mask], atol=1e-5)
+
+
+def test_packed_rows_give_the_masked_full_width_pass(ragged_batch):
+    """Rows shifted to start at column 0 and run without a mask: on real positions, the
+    log-probs, entropy, values and a masked loss's gradients of one masked full-width pass."""
+    ids, attn, pos = (ragged_batch.batch[k] for k in ("input_ids", "attention_mask", "position_ids"))
+    width = ragged_batch.batch["responses"].shape[1]
+    mask = ragged_batch.batch["response_mask"].bool()
+    packed = pack_rows(attn, width)
+    assert packed is not None and (packed.source[:, 0] > 0).any()  # left-padded prompts were shifted
+    model = _actor().model
+
+    def masked_pass(attention_mask):
+        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=pos).logits[:, -width - 1:-1]
+        return logits / 0.7
+
+    log_probs, entropy = response_log_probs(model, ids, attn, pos, width, temperature=0.7, with_entropy=True)
+    logits = masked_pass(attn)
+    expected = logprobs_from_logits(logits, ids[:, -width:])
+    assert torch.allclose(log_probs[mask], expected[mask], atol=1e-5)
+    assert torch.allclose(entropy[mask], entropy_from_logits(logits)[mask], atol=1e-5)
+    # past a row's last token nothing is read: a row's outputs do not depend on the rows beside it
+    alone = response_log_probs(model, ids[:3], attn[:3], pos[:3], width, temperature=0.7)[0]
+    assert torch.allclose(alone, log_probs[:3], atol=1e-5)
+    params = [p for p in model.parameters()]
+    ours = torch.autograd.grad(log_probs[mask].sum(), params)
+    theirs = torch.autograd.grad(expected[mask].sum(), params)
+    assert all(_close(a, b) for a, b in zip(ours, theirs))
+
+    critic = Critic(ModelRoleConfig(), RoleContext("critic", 0, 1, seed=0)).model
+    values = critic(ids, attn, pos)[:, -width - 1:-1]
+    assert torch.allclose(response_values(critic, ids, attn, pos, width)[mask], values[mask], atol=1e-5)
+
+    # a row whose tokens are not one run (a hole in its response) needs the mask: nothing is packed
+    row = int(mask.sum(-1).argmax())
+    holed = attn.clone()
+    holed[row, -width + 1] = 0
+    assert pack_rows(holed, width) is None
+    got = response_log_probs(model, ids, holed, pos, width, temperature=0.7)[0]
+    assert torch.allclose(got[mask], logprobs_from_logits(masked_pass(holed), ids[:, -width:])[mask], atol=1e-5)
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -5,6 +5,15 @@ last ``R`` positions that predict response tokens: the output at position
 ``t`` belongs to the token at ``t + 1``, so response token ``j`` is read at
 ``P - 1 + j``.
 
+Padding is not paid for: when each row's real tokens are one run (left-padded
+prompt ‖ right-padded response, as rollouts make them), the rows are shifted
+to start at column 0 and cut to the longest row, so the model runs plain
+causal attention (no mask to build or apply) over real columns only, and the
+LM head runs only from the first column that predicts a response token. Real
+positions get the same values as a masked full-width pass, up to float
+reordering; response positions past a row's last token come back as 0 logits
+(0 values), so a row's outputs do not depend on the rows beside it.
+
 Example::
 
     >>> from operators.models import load_model
@@ -19,6 +28,8 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from operators.algos.functional import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
@@ -32,15 +43,21 @@ def response_log_probs(
     response_length: int,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log_probs[B, R], entropy[B, R] or None)`` of the response tokens under ``softmax(logits / T)``.
 
     Gradients flow unless the caller wraps it in ``torch.no_grad()`` (old/ref log-probs).
     Use the rollout's temperature, so the result matches ``rollout_log_probs``.
+    ``entropy_grad=False``: the entropy is a metric only, computed without a graph
+    (a full-vocabulary softmax the backward pass need not visit).
     """
     logits = response_logits(model, input_ids, attention_mask, position_ids, response_length, temperature)
     log_probs = logprobs_from_logits(logits, input_ids[:, -response_length:])
-    return log_probs, entropy_from_logits(logits) if with_entropy else None
+    if not with_entropy:
+        return log_probs, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return log_probs, entropy_from_logits(logits)
 
 
 def response_log_probs_and_sum_pi_squared(
@@ -66,9 +83,19 @@ def response_logits(
     temperature: float = 1.0,
 ) -> torch.Tensor:
     """``logits[B, R, V] / T`` in fp32 at the positions that predict the response tokens."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report T = 1 log-probs
-    return logits[:, -response_length - 1:-1].float() / temperature
+    packed = pack_rows(attention_mask, response_length)
+    if packed is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       logits_to_keep=response_length + 1).logits[:, :-1]
+    else:
+        # the LM head runs from the first column that predicts a response token in any row
+        keep = packed.width - int(packed.read.min())
+        logits = model(input_ids=packed.take(input_ids), position_ids=packed.take(position_ids),
+                       logits_to_keep=keep).logits
+        logits = packed.read_out(logits, keep)
+    logits = logits.float()
+    # greedy rollouts (T = 0) report T = 1 log-probs; dividing by 1 would copy every logit for nothing
+    return logits if temperature <= 0 or temperature == 1.0 else logits / temperature
 
 
 def response_values(
@@ -79,5 +106,57 @@ def response_values(
     response_length: int,
 ) -> torch.Tensor:
     """``values[B, R]``: the critic's value of the state before each response token."""
-    values = critic(input_ids, attention_mask, position_ids)
-    return values[:, -response_length - 1:-1]
+    packed = pack_rows(attention_mask, response_length)
+    if packed is None:
+        return critic(input_ids, attention_mask, position_ids)[:, -response_length - 1:-1]
+    values = critic(packed.take(input_ids), None, packed.take(position_ids))
+    return packed.read_out(values, packed.width)
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows shifted left to start at column 0 and cut to the longest: see :func:`pack_rows`."""
+
+    #: ``[B, width]``: the source column of each packed column (past a row's end: its last column)
+    source: torch.Tensor
+    #: ``[B, R]``: the packed column whose output belongs to each response token
+    read: torch.Tensor
+    #: ``[B, R]``: whether that response token is one of the row's tokens (not padding)
+    real: torch.Tensor
+    width: int
+
+    def take(self, columns: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` per-column inputs (ids, positions) in packed order: ``[B, width]``."""
+        return columns.gather(1, self.source)
+
+    def read_out(self, outputs: torch.Tensor, kept: int) -> torch.Tensor:
+        """``[B, R, ...]`` from outputs of the last ``kept`` packed columns (``[B, kept, ...]``); 0 past
+        each row's last token."""
+        trailing = [1] * (outputs.dim() - 2)
+        index = (self.read - (self.width - kept)).view(*self.read.shape, *trailing)
+        picked = outputs.gather(1, index.expand(-1, -1, *outputs.shape[2:]))
+        return picked.masked_fill(~self.real.view(*self.real.shape, *trailing), 0)
+
+
+def pack_rows(attention_mask: torch.Tensor, response_length: int) -> PackedRows | None:
+    """Each row's real tokens moved to start at column 0, cut to the longest row; ``None`` when some
+    row's tokens are not one run (a mask with holes, e.g. tool output, needs the mask itself).
+
+    Packed rows are right-padded only, so causal attention without a mask gives
+    every real position what the masked full-width pass gives it.
+    """
+    mask = attention_mask.bool()
+    rows, total = mask.shape
+    if rows == 0 or response_length == 0:
+        return None
+    columns = torch.arange(total, device=mask.device)
+    lengths = mask.sum(-1)
+    lead = mask.int().argmax(-1)  # first real column (0 for an empty row)
+    if not torch.equal(mask, (columns >= lead[:, None]) & (columns < (lead + lengths)[:, None])):
+        return None
+    width = max(int(lengths.max()), 1)
+    source = (columns[:width] + lead[:, None]).clamp(max=total - 1)
+    # response token j (column T - R + j) is predicted at column T - R - 1 + j, shifted by the row's lead
+    read = columns[total - response_length - 1:total - 1] - lead[:, None]
+    real = (read >= 0) & (read < (lengths - 1)[:, None])
+    return PackedRows(source, read.clamp(0, width - 1), real, width)
