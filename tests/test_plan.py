@@ -105,3 +105,17 @@ def test_a_group_scoped_forward_keeps_groups_whole_and_must_read_their_uid():
     assert "uid groups whole" in plan.dispatch_rules["group_score"]
     with pytest.raises(PlanError, match="node 'group_score' is group-scoped .* add uid to its inputs"):
         make_plan(load_graph("ppo", overrides={**two, "nodes.group_score.op": "test.plan_group_forward"}))
+
+
+def test_an_update_with_fewer_rows_than_ranks_is_refused_before_it_runs():
+    # 1 prompt × 2 samples over 4 data-parallel ranks: two ranks would get no row and stall the others
+    g = load_graph("grpo", overrides={"pools.train.workers": 4, "pools.train.cpus": 0.25, "data.batch_size": 1,
+                                      "nodes.generate.n": 2})
+    with pytest.raises(PlanError) as err:
+        make_plan(g)
+    text = str(err.value)
+    assert "'update_actor'" in text and "only 2 rows" in text and "pools.train.workers" in text
+    assert make_plan(g, data_parallel=False).tasks[("update_actor", None)].dispatch == "all"  # threads: each rank all rows
+    # as many rows as ranks is enough
+    assert make_plan(load_graph("grpo", overrides={"pools.train.workers": 4, "pools.train.cpus": 0.25,
+                                                   "data.batch_size": 2, "nodes.generate.n": 2}))
