@@ -213,6 +213,9 @@ class TrainableRole:
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full weights (another pool's :meth:`get_weights`); sharded: each rank copies its part."""
+        self._load_full_model(weights)
+
+    def _load_full_model(self, weights: dict[str, torch.Tensor]) -> None:
         if self.group.world_size == 1:
             self.model.load_state_dict(weights)
             return
@@ -252,20 +255,15 @@ class TrainableRole:
                 raise ValueError(f"role {self.ctx.name!r}: the state was sharded; pass the directory it was "
                                  f"written under as shards=")
             load_sharded(Path(shards) / state["sharded"], self.model, self.optimizer, self.group)
-        elif self.group.world_size > 1:  # one process's whole state, each rank taking its part
-            with torch.no_grad():
-                for name, target in self.model.state_dict().items():
-                    _local_of(target).copy_(_part_of(target, state["model"][name]))
+        else:  # one process's whole state; sharded, each rank takes its part
+            self._load_full_model(state["model"])
             if self.optimizer is not None and "optimizer" in state:
-                params = [p for g in self.optimizer.param_groups for p in g["params"]]
                 optim = state["optimizer"]
-                self.optimizer.load_state_dict({**optim, "state": {
-                    i: {k: _sharded_part(params[int(i)], v) for k, v in s.items()}
-                    for i, s in optim["state"].items()}})
-        else:
-            self.model.load_state_dict(state["model"])
-            if self.optimizer is not None and "optimizer" in state:
-                self.optimizer.load_state_dict(state["optimizer"])
+                if self.group.world_size > 1:
+                    params = [p for g in self.optimizer.param_groups for p in g["params"]]
+                    optim = {**optim, "state": {i: {k: _sharded_part(params[int(i)], v) for k, v in s.items()}
+                                                for i, s in optim["state"].items()}}
+                self.optimizer.load_state_dict(optim)
         if self.optimizer is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.updates = state.get("updates", 0)

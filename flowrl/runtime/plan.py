@@ -219,13 +219,13 @@ def make_plan(graph: Graph, micro_batches: int | None = None, batch_size: int | 
         mbs: list[int | None] = list(range(k)) if streams else [None]
         # a light node moved onto a pool runs once, on its rank 0, like on the driver
         world = 1 if pool == DRIVER else graph.config.pools[pool].workers
-        fewest = min(b - a for a, b in pairwise(bounds)) if streams else prompts
-        mode_name, rules[name] = dispatch_rule(node, pool == DRIVER or name in placement, world, data_parallel,
-                                               fewest * spaces[name].factor)
-        if mode_name in ("balanced", "balanced_groups") and fewest * spaces[name].factor < world:
+        # the fewest rows one of the node's tasks gets, in its own row space
+        rows = (min(b - a for a, b in pairwise(bounds)) if streams else prompts) * spaces[name].factor
+        mode_name, rules[name] = dispatch_rule(node, pool == DRIVER or name in placement, world, data_parallel, rows)
+        if mode_name in ("balanced", "balanced_groups") and rows < world:
             raise PlanError(f"node {name!r} runs data parallel on the {world} workers of pool {pool!r}, but a "
-                            f"task of it gets only {fewest * spaces[name].factor} rows: every rank needs at least "
-                            f"one; lower pools.{pool}.workers or raise data.batch_size")
+                            f"task of it gets only {rows} rows: every rank needs at least one; lower "
+                            f"pools.{pool}.workers or raise data.batch_size")
         if mode_name == "balanced_groups" and "uid" not in node.input_names():
             raise PlanError(f"node {name!r} is group-scoped and runs data parallel on pool {pool!r}, but reads "
                             f"no 'uid' to keep each group on one rank; add uid to its inputs")
