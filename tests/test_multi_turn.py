@@ -489,3 +489,27 @@ def test_a_verl_multiturn_parquet_trains_through_the_graph_with_a_user_tool(tmp_
     tiny_tools._warmed_up_state.cache_clear()
     assert [row["step"] for row in history] == [1, 2]
     assert sum(history[-1][f"multi_turn/finish/{r}"] for r in ("stop", "length", "max_turns", "tool_error")) == 4
+
+
+def test_a_seeded_conversation_samples_the_same_turns_whatever_shares_its_rounds():
+    """Requests with seeds (as rollout.multi_turn gives them, from the prompts' uids) sample the same
+    tokens alone or batched with others: a pool's ranks split conversations without changing them."""
+    from transformers import LlamaForCausalLM
+
+    from operators.models.tiny_tools import tiny_tools_config
+    from operators.rollout import HFRolloutEngine
+
+    torch.manual_seed(0)
+    engine = HFRolloutEngine(LlamaForCausalLM(tiny_tools_config()).eval(), TOK, stop_token_ids=[EOS], seed=0)
+    loop = AgentLoop(TOK, AgentConfig(max_response_length=12, max_tokens_per_turn=6), tools={"add": AddTool()},
+                     stop_token_ids=[EOS])
+
+    def sample(requests):
+        front = BatchingFront(engine, SamplingParams(temperature=1.0), loop.stop_ids, TOK.pad_token_id)
+        return [r[0].response_ids for r in loop.run(front, requests)]
+
+    prompts = [prompt_ids(p) for p in ("3+4=", "12+345=", "98+7=")]
+    together = sample([Request(p, seed=100 + i) for i, p in enumerate(prompts)])
+    apart = sample([Request(prompts[2], seed=102), Request(prompts[0], seed=100)])
+    assert apart == [together[2], together[0]]
+    assert sample([Request(prompts[0], seed=101)]) != [together[0]]   # another seed, other tokens

@@ -25,8 +25,8 @@ from operators.models.forward import pack_rows
 from operators.models.microbatch import response_lengths, token_budget_split
 from operators.roles import Actor, ActorConfig, Critic, LossNorm, ModelRoleConfig
 from operators.rollout import HFRolloutEngine
+from operators.rollout.base import SamplingParams, prompt_seeds, sample_seeds
 from operators.rollout.hf_engine import sample_next_token
-from operators.rollout.base import SamplingParams
 
 # stopping on a few common tokens as well as EOS makes an untrained model's lengths ragged
 STOPS = [2, 7, 8, 9, 20]
@@ -67,19 +67,29 @@ def ragged_batch() -> DataProto:
                                                     "values": torch.zeros_like(returns)}))
 
 
-def test_sampling_draws_the_same_tokens_as_multinomial_for_any_subset_of_rows():
+def test_a_row_samples_the_same_token_in_any_subset_of_rows():
     logits = torch.randn(6, 29, generator=torch.Generator().manual_seed(1))
     params = SamplingParams(temperature=0.7, top_p=0.9)
-    scaled = logits / 0.7
-    from operators.rollout.hf_engine import filter_top_k_top_p
-
-    probs = filter_top_k_top_p(scaled, -1, 0.9).softmax(-1)
-    expected = torch.multinomial(probs, 1, generator=torch.Generator().manual_seed(5)).squeeze(-1)
-    whole, _ = sample_next_token(logits, params, torch.Generator().manual_seed(5))
+    seeds = sample_seeds(prompt_seeds([f"3-{i}" for i in range(3)], seed=0), n=2)
+    whole, whole_lp = sample_next_token(logits, params, seeds, t=4)
     rows = torch.tensor([1, 4, 5])
-    subset, _ = sample_next_token(logits[rows], params, torch.Generator().manual_seed(5), rows, batch=6)
-    assert torch.equal(whole, expected)
-    assert torch.equal(subset, expected[rows])
+    subset, subset_lp = sample_next_token(logits[rows], params, seeds[rows], t=4)
+    assert torch.equal(subset, whole[rows]) and torch.equal(subset_lp, whole_lp[rows])
+    later, _ = sample_next_token(logits, params, seeds, t=5)   # the next draw of each stream is another
+    assert not torch.equal(later, whole)
+
+
+def test_keyed_sampling_follows_the_truncated_distribution():
+    """16,000 streams each draw one token: the counts fit the top-k distribution (chi-square, 2 dof),
+    and no filtered token is ever drawn."""
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).expand(16_000, -1)
+    seeds = sample_seeds(prompt_seeds([f"0-{i}" for i in range(2_000)], seed=0), n=8)
+    token, _ = sample_next_token(logits, SamplingParams(top_k=3), seeds, t=0)
+    counts = torch.bincount(token, minlength=5).double()
+    assert counts[3:].sum() == 0
+    expected = logits[0, :3].softmax(-1).double() * len(token)
+    chi2 = float(((counts[:3] - expected) ** 2 / expected).sum())
+    assert chi2 < 13.8, chi2    # p = 0.001 for 2 degrees of freedom
 
 
 @pytest.mark.parametrize("params", [{"greedy": True}, {"temperature": 1.0}, {"temperature": 0.8, "top_k": 10}])
@@ -97,14 +107,17 @@ def test_dropping_finished_rows_gives_the_same_tokens_and_log_probs(params):
     assert torch.equal(dropped["position_ids"], kept["position_ids"][:, :PROMPTS.shape[1] + width])
 
 
-def test_shards_of_different_widths_join_as_one_wide_batch():
-    """Greedy rollouts of two halves, joined, equal the greedy rollout of the whole batch."""
+@pytest.mark.parametrize("sampling", [{"greedy": True}, {"temperature": 1.0}])
+def test_shards_of_different_widths_join_as_one_wide_batch(sampling):
+    """Rollouts of two halves (sampled ones with their prompts' seeds, as two ranks would),
+    joined, equal the rollout of the whole batch."""
     role = _actor()
     engine = HFRolloutEngine(role.model, role.tokenizer, stop_token_ids=STOPS, seed=0)
-    halves = [DataProto.from_dict(tensors=engine.generate(PROMPTS[s], PROMPT_MASK[s], n=2, greedy=True,
-                                                          max_new_tokens=MAX_NEW))
+    seeds = prompt_seeds([f"0-{i}" for i in range(len(PROMPTS))], seed=0)
+    halves = [DataProto.from_dict(tensors=engine.generate(PROMPTS[s], PROMPT_MASK[s], n=2, seeds=seeds[s],
+                                                          max_new_tokens=MAX_NEW, **sampling))
               for s in (slice(0, 2), slice(2, 4))]
-    whole = engine.generate(PROMPTS, PROMPT_MASK, n=2, greedy=True, max_new_tokens=MAX_NEW)
+    whole = engine.generate(PROMPTS, PROMPT_MASK, n=2, seeds=seeds, max_new_tokens=MAX_NEW, **sampling)
     joined = concat_padded(halves)
     assert halves[0].batch["responses"].shape[1] != halves[1].batch["responses"].shape[1]
     real = whole["attention_mask"].bool()  # position ids past a response are never read: padding writes 0

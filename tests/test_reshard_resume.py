@@ -52,11 +52,15 @@ def test_a_two_worker_checkpoint_resumes_on_one_and_a_whole_one_on_two(ray_sessi
     assert (step2 / "actor" / "sharded.json").is_file()  # the ranks' shards, not per-rank pickles
     assert "model" not in torch.load(step2 / "workers.pt", weights_only=True)[("train", 0)]["roles"]["actor"]
 
-    # 2 → 1 through the CLI's path: accepted, said, and the run goes on from step 3
+    # 2 → 1 through the CLI's path: accepted, said, and the run goes on from step 3 with the samples
+    # the uninterrupted 2-worker run draws (a prompt's sampling is keyed by its uid, not by its rank)
     said.clear()
     rows = Trainer(grpo(1), backend="ray", steps=3, out=out, resume=True, say=said.append).run()
     assert [r["step"] for r in rows] == [3]
     assert any("workers changed" in m and "train: 2 → 1" in m for m in said)
+    straight = Trainer(grpo(2), backend="ray", steps=3, out=tmp_path / "straight", say=lambda _: None).run()
+    for key in ("reward/mean", "response_length/mean"):
+        assert rows[0][key] == pytest.approx(straight[-1][key], abs=1e-6), key
 
     names = [n for n, _ in Actor(ActorConfig(), RoleContext("actor", 0, 1, 0)).model.named_parameters()]
     saved_weights = checkpoint_weights(step2)

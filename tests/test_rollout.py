@@ -15,6 +15,7 @@ from operators.rollout import (
     SGLangRolloutEngine,
     filter_top_k_top_p,
     pad_responses,
+    prompt_seeds,
 )
 
 PAD, BOS, EOS = 0, 1, 2
@@ -101,6 +102,20 @@ def test_seeded_sampling_is_reproducible(tiny, batch):
     x = a.generate(ids, mask, params)
     a.set_rng_state(state)
     assert torch.equal(a.generate(ids, mask, params)["responses"], x["responses"])
+
+
+def test_prompt_seeds_decide_the_samples_whatever_the_engine_seed_and_batch(tiny, batch):
+    model, tok = tiny
+    ids, mask = batch
+    params = SamplingParams(n=4, max_new_tokens=8, temperature=1.0)
+    seeds = prompt_seeds([f"5-{i}" for i in range(len(ids))], seed=3)
+    a = HFRolloutEngine(model, tok, seed=7).generate(ids, mask, params, seeds=seeds)
+    b = HFRolloutEngine(model, tok, seed=8).generate(ids.flip(0), mask.flip(0), params, seeds=seeds.flip(0))
+    assert torch.equal(a["responses"], b["responses"].view(len(ids), 4, -1).flip(0).view(len(ids) * 4, -1))
+    other = HFRolloutEngine(model, tok, seed=7).generate(ids, mask, params, seeds=seeds + 1)
+    assert not torch.equal(other["responses"], a["responses"])
+    with pytest.raises(ValueError, match="one per prompt"):
+        HFRolloutEngine(model, tok).generate(ids, mask, params, seeds=seeds[:1])
 
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])

@@ -104,16 +104,18 @@ def test_actor_update_takes_verls_rejection_options_and_icepop(actor_and_batch):
     from operators import actor as actor_ops
 
     role, batch = actor_and_batch          # log ρ = 0.9 on row 0, -0.9 on row 1, 0.2 on row 2, 0 on row 3
+    tokens = batch.batch["response_mask"].sum(-1).double()
+    rows_0_1 = float(tokens[:2].sum() / tokens.sum())   # the share of tokens in rows 0 and 1
     out = actor_ops.update(role, batch, rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.5_2.0,0.5")
     m = out.meta_info["metrics"]
     # k1 = -log ρ: ±0.9 lies outside [log .5, log 2] = ±0.69, so rows 0 and 1 go; k3(0.9) = 0.56 > 0.5 too
-    assert m["actor/rollout_corr/rs_token_k1_masked_fraction"] == pytest.approx(0.5)
+    assert m["actor/rollout_corr/rs_token_k1_masked_fraction"] == pytest.approx(rows_0_1)
     assert m["actor/rollout_corr/rs_seq_max_k3_seq_masked_fraction"] == pytest.approx(0.25)
-    assert m["actor/rollout_corr/rs_masked_fraction"] == pytest.approx(0.5)
+    assert m["actor/rollout_corr/rs_masked_fraction"] == pytest.approx(rows_0_1)
     out = actor_ops.update(role, batch, rollout_is="token", rollout_is_threshold="0.5_2.0")
     m = out.meta_info["metrics"]                 # IcePop: ρ = e^0.9 > 2 gets weight 0, not 2
     assert m["actor/rollout_corr/is_weight_max"] == pytest.approx(math.exp(0.2), rel=1e-4)
-    assert m["actor/rollout_corr/is_oob_fraction"] == pytest.approx(0.5)
+    assert m["actor/rollout_corr/is_oob_fraction"] == pytest.approx(rows_0_1)
 
 
 @pytest.mark.parametrize("params,message", [

@@ -428,7 +428,8 @@ LOOPBACK = {"0100007F",  # 127.0.0.1
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux /proc")
-def test_a_ray_run_listens_on_loopback_only_and_sigterm_saves_and_exits_143(tmp_path):
+def test_a_ray_run_listens_on_loopback_only_and_sigterm_saves_and_exits_143(tmp_path, ray_session):
+    """With another local Ray up (the tests' own), the run starts a Ray of its own rather than join it."""
     env = _env()
     env.pop("RAY_ADDRESS", None)
     out = tmp_path / "run"

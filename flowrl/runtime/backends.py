@@ -301,8 +301,8 @@ class RayBackend(Backend):
                     origin = "--address" if self.address else "RAY_ADDRESS in the environment"
                     raise PlacementError(f"cannot join the Ray cluster at {address} ({origin}): {e}. Start it, "
                                          f"or unset RAY_ADDRESS to run on a local Ray") from None
-            else:
-                ray.init(num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env, **quiet)
+            else:  # a Ray of its own: ray.init() alone would join whatever local cluster another process started
+                ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env, **quiet)
             self._started_ray = True
         return ray
 

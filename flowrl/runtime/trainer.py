@@ -11,8 +11,9 @@ and the CLI exits 130 or 143; a second signal aborts), a checkpoint goes to
 N uninterrupted steps and k steps + resume + N−k steps give the same metrics.
 A run may resume with other worker counts (``pools.<p>.workers``): sharded roles
 reshard onto the new ranks and every role continues from the same weights and
-optimizer state, but a rank's sampling stream is its own, so the metrics after
-the resume are no longer those of the uninterrupted run.
+optimizer state. A prompt's samples are keyed by its uid, not by the rank that
+draws them, so the run goes on as the uninterrupted one would, until a
+floating-point difference of the other sharding flips a sample.
 
 The run directory has one owner (:mod:`flowrl.runtime.rundir`): a second run
 on it is refused, and a fresh run refuses another run's state unless
@@ -207,7 +208,8 @@ class Trainer:
         changed = [f"{p}: {n} → {counts[p]}" for p, n in saved.items() if p in counts and n != counts[p]]
         if changed:
             self.say(f"workers changed since the checkpoint ({', '.join(changed)}): weights and optimizer "
-                     f"state carry over (resharded); sampling streams differ from an uninterrupted run")
+                     f"state carry over (resharded); the metrics follow an uninterrupted run's up to "
+                     f"floating-point differences in the sharded update")
         self._truncate_metrics(step + 1)
         self.say(f"resuming from {path} at step {step + 2}")
         return step + 1

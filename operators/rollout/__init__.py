@@ -17,7 +17,8 @@ Example::
     ...                       SamplingParams(n=8, max_new_tokens=8))      # doctest: +SKIP
 """
 
-from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses, rollout_output
+from operators.rollout.base import (RolloutEngine, SamplingParams, pad_responses, prompt_seeds, rollout_output,
+                                   sample_seeds)
 from operators.rollout.hf_engine import HFRolloutEngine, filter_top_k_top_p, sample_next_token
 from operators.rollout.sglang_engine import SGLangRolloutEngine  # imports sglang only when constructed
 from operators.rollout.ops import generate  # the rollout.generate operator
@@ -25,7 +26,7 @@ from operators.rollout.agent_loop import AgentConfig, AgentLoop, Request, Trajec
 from operators.rollout.agent_ops import multi_turn, agent_reward  # rollout.multi_turn, reward.agent
 
 __all__ = [
-    "RolloutEngine", "SamplingParams", "pad_responses", "rollout_output",
+    "RolloutEngine", "SamplingParams", "pad_responses", "prompt_seeds", "rollout_output", "sample_seeds",
     "HFRolloutEngine", "filter_top_k_top_p", "sample_next_token", "SGLangRolloutEngine", "generate",
     "AgentConfig", "AgentLoop", "Request", "Trajectory", "multi_turn", "agent_reward",
 ]

@@ -47,7 +47,7 @@ from pydantic import Field
 
 from flowrl.graph import Params
 from operators.data.dataset import left_pad, position_ids_from_mask
-from operators.rollout.base import RolloutEngine, SamplingParams
+from operators.rollout.base import RolloutEngine, SamplingParams, derive_seed
 from operators.rollout.envs import Environment
 from operators.rollout.tool_parsers import ToolCall, ToolCallError, ToolParser, get_parser
 from operators.rollout.tools import BaseTool
@@ -103,11 +103,17 @@ class Generation:
 
 @dataclass
 class Request:
-    """A conversation to run: the prompt's ids and the sample's ``tools_kwargs`` / ``interaction_kwargs``."""
+    """A conversation to run: the prompt's ids and the sample's ``tools_kwargs`` / ``interaction_kwargs``.
+
+    ``seed`` keys the sampling of every turn (:func:`turn_seed`), so the
+    conversation samples the same tokens whatever other conversations share
+    its rounds; ``None`` leaves the engine's own generator to it.
+    """
 
     prompt_ids: list[int]
     tools_kwargs: Mapping[str, Any] = field(default_factory=dict)
     interaction_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    seed: int | None = None
 
 
 @dataclass
@@ -257,6 +263,11 @@ def truncate_text(text: str, limit: int, side: str) -> str:
 # --- generators: one turn of one request ---------------------------------------------------------
 
 
+def turn_seed(seed: int | None, *path: int) -> int | None:
+    """The seed of a conversation (``path = (k,)``: the rollout's k-th) or of its turn ``(k, turn)``."""
+    return None if seed is None else derive_seed(seed, *path)
+
+
 def _finish(ids: list[int], log_probs: list[float], budget: int, stop_ids: set[int]) -> Generation:
     """Cut a sampled turn at its first stop token or at ``budget``, and say which ended it."""
     for i, token in enumerate(ids[:budget]):
@@ -282,16 +293,16 @@ class BatchingFront:
         self.max_wait_s = max_wait_s
         self.live = 0
         self.rounds = 0
-        self._queue: list[tuple[list[int], int, asyncio.Future]] = []
+        self._queue: list[tuple[list[int], int, int | None, asyncio.Future]] = []
         self._arrived: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
 
-    async def generate(self, context_ids: list[int], max_new_tokens: int) -> Generation:
+    async def generate(self, context_ids: list[int], max_new_tokens: int, seed: int | None = None) -> Generation:
         loop = asyncio.get_running_loop()
         if self._arrived is None:
             self._arrived = asyncio.Event()
         future: asyncio.Future = loop.create_future()
-        self._queue.append((list(context_ids), max_new_tokens, future))
+        self._queue.append((list(context_ids), max_new_tokens, seed, future))
         self._arrived.set()
         if self._runner is None or self._runner.done():
             self._runner = asyncio.ensure_future(self._run())
@@ -309,21 +320,23 @@ class BatchingFront:
                     break
             batch, self._queue = self._queue, []
             try:
-                results = await asyncio.to_thread(self._generate, [(ids, n) for ids, n, _ in batch])
+                results = await asyncio.to_thread(self._generate, [request[:3] for request in batch])
             except Exception as err:  # the engine failed: every waiting request learns why
-                for _, _, future in batch:
+                for *_, future in batch:
                     future.set_exception(err)
                 continue
-            for (_, _, future), result in zip(batch, results):
+            for (*_, future), result in zip(batch, results):
                 future.set_result(result)
 
-    def _generate(self, batch: list[tuple[list[int], int]]) -> list[Generation]:
+    def _generate(self, batch: list[tuple[list[int], int, int | None]]) -> list[Generation]:
         self.rounds += 1
-        input_ids, attention_mask = left_pad([ids for ids, _ in batch], self.pad_token_id)
-        params = self.params.model_copy(update={"n": 1, "max_new_tokens": max(n for _, n in batch)})
-        out = self.engine.generate(input_ids, attention_mask, params)
+        input_ids, attention_mask = left_pad([ids for ids, _, _ in batch], self.pad_token_id)
+        params = self.params.model_copy(update={"n": 1, "max_new_tokens": max(n for _, n, _ in batch)})
+        seeds = [seed for _, _, seed in batch]
+        keyed = {} if None in seeds else {"seeds": torch.tensor(seeds, dtype=torch.int64)}
+        out = self.engine.generate(input_ids, attention_mask, params, **keyed)
         results = []
-        for row, (_, budget) in enumerate(batch):
+        for row, (_, budget, _) in enumerate(batch):
             length = int(out["response_mask"][row].sum())
             results.append(_finish(out["responses"][row, :length].tolist(),
                                    out["rollout_log_probs"][row, :length].tolist(), budget, self.stop_ids))
@@ -337,8 +350,9 @@ class RequestGenerator:
         self.engine, self.params, self.stop_ids = engine, params, set(stop_token_ids)
         self.live = 0
 
-    async def generate(self, context_ids: list[int], max_new_tokens: int) -> Generation:
-        out = await self.engine.generate_one(list(context_ids), self.params, max_new_tokens=max_new_tokens)
+    async def generate(self, context_ids: list[int], max_new_tokens: int, seed: int | None = None) -> Generation:
+        out = await self.engine.generate_one(list(context_ids), self.params, max_new_tokens=max_new_tokens,
+                                             **({} if seed is None else {"seed": seed}))
         return _finish(list(out["response_ids"]), list(out["log_probs"]), max_new_tokens, self.stop_ids)
 
 
@@ -390,14 +404,15 @@ class AgentLoop:
         env = self.environment(**dict(request.interaction_kwargs)) if self.environment else None
         spawned: list[list[dict[str, Any]]] = []
         try:
-            main = await self.conversation(generator, request.prompt_ids, request, env, spawned)
+            main = await self.conversation(generator, request.prompt_ids, request, env, spawned,
+                                           turn_seed(request.seed, 0))
         finally:
             if env is not None:
                 await env.close()
         children = await asyncio.gather(*(
             self.conversation(generator, self.renderer.encode(messages, generation_prompt=True), request,
-                              None, [])
-            for messages in spawned))
+                              None, [], turn_seed(request.seed, k))
+            for k, messages in enumerate(spawned, start=1)))
         for child in children:
             child.outcome_messages = main.messages
         trajectories = [main, *children]
@@ -410,7 +425,7 @@ class AgentLoop:
         return trajectories
 
     async def conversation(self, generator: Any, prompt_ids: Sequence[int], request: Request,
-                           env: Environment | None, spawned: list) -> Trajectory:
+                           env: Environment | None, spawned: list, seed: int | None = None) -> Trajectory:
         """Run one conversation to its end; the model's mistakes end up in the trajectory, never raised."""
         cfg = self.config
         traj = Trajectory(prompt_ids=list(prompt_ids))
@@ -436,7 +451,8 @@ class AgentLoop:
                 budget = self._budget(traj)
                 if budget <= 0:
                     return self._end(traj, LENGTH)
-                turn = await generator.generate(traj.prompt_ids + traj.response_ids, budget)
+                turn = await generator.generate(traj.prompt_ids + traj.response_ids, budget,
+                                                turn_seed(seed, traj.assistant_turns))
                 self._append(traj, turn.ids, [1] * len(turn.ids), turn.log_probs)
                 traj.assistant_turns += 1
                 text = self.renderer.assistant_text(turn.ids, self.stop_ids)

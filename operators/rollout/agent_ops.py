@@ -37,7 +37,7 @@ from operators.rewards.scoring import auto_reward_fn, place_at_last_token, resol
 from operators.rollout.agent_loop import (
     AgentConfig, AgentLoop, Request, make_generator, rollout_metrics, trajectory_tensors,
 )
-from operators.rollout.base import SamplingParams
+from operators.rollout.base import SamplingParams, prompt_seeds, sample_seeds
 from operators.rollout.envs import Environment
 from operators.rollout.ops import SEQUENCE_FIELDS, unshard_metrics
 from operators.rollout.tool_parsers import get_parser
@@ -105,7 +105,8 @@ def _row_kwargs(extra_info: Any, key: str) -> dict:
 
 @operator(
     "rollout.multi_turn", role="actor", scope="row", expands="n", cost=4.0, node_name="generate", params=MultiTurn,
-    inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "extra_info": "object[B]"},
+    inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "extra_info": "object[B]", "uid": "object[B]"},
+    optional_inputs=("uid",),
     outputs={**SEQUENCE_FIELDS, "rollout_log_probs": "float32[B, R]", "weight_version": "int64[B]",
              "tool_reward": "float32[B]", "answer": "object[B]", "messages": "object[B]",
              "finish_reason": "object[B]"},
@@ -124,11 +125,14 @@ def multi_turn(actor, batch, p: MultiTurn):
     loop = AgentLoop(tokenizer, p, tools=_tools(p), parser=p.tool_parser,
                      environment=env_cls, stop_token_ids=[int(i) for i in engine.stop_token_ids],
                      render_tool_schemas=p.render_tool_schemas)
+    rollouts = p.n // per_rollout
+    # each rollout's sampling is keyed by its prompt's uid: the same conversations on any rank
+    seeds = (sample_seeds(prompt_seeds(batch["uid"], actor.ctx.seed), rollouts).view(-1, rollouts).tolist()
+             if "uid" in batch else [[None] * rollouts] * len(batch["prompts"]))
     requests = []
-    for ids, mask, extra in zip(batch["prompts"], batch["prompt_mask"], batch["extra_info"]):
-        request = Request(ids[mask.bool()].tolist(), _row_kwargs(extra, "tools_kwargs"),
-                          _row_kwargs(extra, "interaction_kwargs"))
-        requests += [request] * (p.n // per_rollout)
+    for ids, mask, extra, row_seeds in zip(batch["prompts"], batch["prompt_mask"], batch["extra_info"], seeds):
+        requests += [Request(ids[mask.bool()].tolist(), _row_kwargs(extra, "tools_kwargs"),
+                             _row_kwargs(extra, "interaction_kwargs"), seed) for seed in row_seeds]
     sampling = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, greedy=p.greedy)
     generator = make_generator(engine, sampling, loop.stop_ids, tokenizer.pad_token_id)
     # conversations take as many rounds as they need, so ranks call the engine unequally often:

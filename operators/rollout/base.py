@@ -25,6 +25,7 @@ log-prob, so the two agree up to numerics.
 from __future__ import annotations
 
 import abc
+import hashlib
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -65,10 +66,14 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 params: SamplingParams | None = None, **overrides: Any) -> dict[str, torch.Tensor]:
+                 params: SamplingParams | None = None, *, seeds: torch.Tensor | None = None,
+                 **overrides: Any) -> dict[str, torch.Tensor]:
         """A batch of left-padded prompts → the dict in the module docstring.
 
-        ``overrides`` are :class:`SamplingParams` fields applied over ``params``.
+        ``seeds`` (``int64[B]``, :func:`prompt_seeds`) key each prompt's samples
+        (:func:`sample_seeds`): the same prompt, seed and weights give the same
+        samples whatever else is in the batch. ``overrides`` are
+        :class:`SamplingParams` fields applied over ``params``.
         """
 
     @abc.abstractmethod
@@ -131,3 +136,64 @@ def pad_responses(token_lists: Sequence[Sequence[int]], log_prob_lists: Sequence
         response_mask[i, :len(tokens)] = 1
         log_probs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
     return responses, response_mask, log_probs
+
+
+# --- sampling streams ----------------------------------------------------------------------------
+# Each sample draws its randomness from a stream keyed by its prompt's seed and its index among the
+# prompt's n samples, never from a generator shared by the batch. A prompt then gets the same samples
+# whichever rank, batch or neighbours it lands with: a pool of 2 workers samples what 1 worker does.
+# The mixing is murmur3's 32-bit finaliser on int64 tensors, multiplying in 16-bit halves so no
+# product leaves int64 (signed overflow is not something to lean on across devices).
+
+_M32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``x · c mod 2**32`` for ``x`` in ``[0, 2**32)``: every partial product stays below ``2**49``."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's finaliser: a bijection on ``[0, 2**32)`` whose every output bit depends on every input bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def prompt_seeds(uids: Sequence[Any], seed: int) -> torch.Tensor:
+    """``int64[B]``: a sampling seed per prompt from its uid and the run's seed (BLAKE2b, 63 bits).
+
+    Example::
+
+        >>> a, b = prompt_seeds(["0-0", "0-1"], seed=0), prompt_seeds(["0-1"], seed=0)
+        >>> bool(a[1] == b[0]), bool(a[0] != a[1])
+        (True, True)
+    """
+    return torch.tensor([derive_seed(seed, uid) for uid in uids], dtype=torch.int64)
+
+
+def derive_seed(*parts: Any) -> int:
+    """A 63-bit seed from the text of ``parts`` (BLAKE2b): the same parts, the same seed, in any process."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample_seeds(seeds: torch.Tensor, n: int) -> torch.Tensor:
+    """``int64[B·n]``: the seed of each of the ``n`` samples of each prompt (a prompt's samples adjacent)."""
+    seeds = seeds.long()
+    lo, hi = (seeds & _M32).unsqueeze(-1), ((seeds >> 32) & _M32).unsqueeze(-1)
+    j = torch.arange(1, n + 1, dtype=torch.int64, device=seeds.device)
+    lo = mix32(lo ^ _mul32(j, 0x9E3779B9))
+    hi = mix32(hi ^ lo)
+    return (((hi & 0x7FFFFFFF) << 32) | lo).reshape(-1)
+
+
+def stream_uniforms(seeds: torch.Tensor, t: int) -> torch.Tensor:
+    """``float64[N]`` in ``(0, 1)``: draw ``t`` (the token position) of the streams ``seeds`` (53 bits each)."""
+    lo, hi = seeds & _M32, (seeds >> 32) & _M32
+    a = mix32(mix32(lo ^ _mul32(torch.full_like(lo, t + 1), 0x27D4EB2F)) ^ hi)
+    b = mix32(a ^ 0x165667B1)
+    bits = ((a >> 5) << 26) | (b >> 6)
+    return (bits.double() + 0.5) / 2.0**53

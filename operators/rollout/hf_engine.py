@@ -35,7 +35,7 @@ import torch
 from flowrl.data.expand import expand_rows
 from operators.data.dataset import position_ids_from_mask
 from operators.models.hf import hf
-from operators.rollout.base import RolloutEngine, SamplingParams, rollout_output
+from operators.rollout.base import RolloutEngine, SamplingParams, rollout_output, sample_seeds, stream_uniforms
 
 # transformers is fetched (:func:`hf`) where a model runs: declaring operators (``flowrl validate``) does not need it
 if TYPE_CHECKING:
@@ -65,27 +65,30 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int = -1, top_p: float = 1.0
     return logits
 
 
-def sample_next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-                      rows: torch.Tensor | None = None, batch: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(token[B], log_prob[B])`` from last-position ``logits[B, V]``.
+def sample_next_token(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor | None = None,
+                      t: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(token[N], log_prob[N])`` from last-position ``logits[N, V]``.
 
     ``log_prob`` is ``log softmax(logits / T)`` at the token, before truncation.
-    Sampling is ``torch.multinomial``'s own method (``argmax(p / q)``, ``q ~
-    Exp(1)``), written out so the noise can be drawn for a ``batch`` of which
-    ``logits`` holds only ``rows``: a row gets the same token whether or not
-    the rows around it are still in the decode batch.
+    Row ``i`` samples by inverse CDF with draw ``t`` of its own stream
+    ``seeds[i]`` (:func:`~operators.rollout.base.stream_uniforms`), so its token
+    depends on its logits, its seed and ``t`` only: not on which rows are
+    around it, which rank it is on, or how many are still decoding. Greedy
+    needs no ``seeds``.
     """
     logits = logits.float()
     if params.is_greedy:
         token = logits.argmax(-1)
         log_probs = logits.log_softmax(-1)
     else:
+        if seeds is None:
+            raise ValueError("sampling needs a seed per row (greedy does not)")
         scaled = logits / params.temperature
         log_probs = scaled.log_softmax(-1)
-        probs = filter_top_k_top_p(scaled, params.top_k, params.top_p).softmax(-1)
-        noise = torch.empty((batch or len(probs), probs.shape[-1]), dtype=probs.dtype, device=probs.device)
-        noise = noise.exponential_(1, generator=generator)
-        token = (probs / (noise if rows is None else noise[rows])).argmax(-1)
+        cdf = filter_top_k_top_p(scaled, params.top_k, params.top_p).softmax(-1).double().cumsum(-1)
+        u = stream_uniforms(seeds.to(logits.device), t) * cdf[:, -1]
+        # the first token whose cumulative mass passes u: one with no mass (filtered) is never first
+        token = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)
     return token, log_probs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
@@ -93,9 +96,13 @@ class HFRolloutEngine(RolloutEngine):
     """Samples from a transformers causal LM; reproducible from ``seed``.
 
     ``stop_token_ids`` default to the tokenizer's EOS plus the model's
-    ``generation_config.eos_token_id``. The engine owns a generator seeded with
-    ``seed``: the same seed and the same sequence of calls give the same
-    samples. ``SamplingParams.seed`` overrides it for one call.
+    ``generation_config.eos_token_id``. Each sample draws from a stream of its
+    own, keyed by its prompt's seed (``generate(..., seeds=)``, one per prompt:
+    the ``rollout.generate`` operator derives them from the prompts' uids, so a
+    prompt gets the same samples on any rank and in any batch). A call without
+    ``seeds`` takes them from the engine's generator, seeded with ``seed``: the
+    same seed and the same sequence of calls give the same samples.
+    ``SamplingParams.seed`` seeds a fresh generator for one call instead.
     """
 
     def __init__(
@@ -123,7 +130,7 @@ class HFRolloutEngine(RolloutEngine):
         self.stop_token_ids = torch.tensor(sorted(set(stop_token_ids)), dtype=torch.long, device=self.device)
         if self.stop_token_ids.numel() == 0:
             raise ValueError("HFRolloutEngine needs at least one stop token id (the tokenizer has no EOS)")
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)  # hands out prompt seeds when a call gives none
         self._released = False
         self._lock = threading.Lock()
 
@@ -131,22 +138,32 @@ class HFRolloutEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 params: SamplingParams | None = None, **overrides: Any) -> dict[str, torch.Tensor]:
+                 params: SamplingParams | None = None, *, seeds: torch.Tensor | None = None,
+                 **overrides: Any) -> dict[str, torch.Tensor]:
         params = self.resolve(params, overrides)
         if self._released:
             raise RuntimeError("the rollout engine's memory is released; call resume_memory() first")
-        generator = self.generator
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device).long()
         with self._lock:
-            responses, response_mask, log_probs = self._sample(input_ids, attention_mask, params, generator)
+            seeds = self.prompt_seeds(len(input_ids), params, seeds)
+            responses, response_mask, log_probs = self._sample(input_ids, attention_mask, params,
+                                                               sample_seeds(seeds, params.n).to(self.device))
         prompts = expand_rows(input_ids, params.n)
         prompt_mask = expand_rows(attention_mask, params.n)
         return rollout_output(prompts, prompt_mask, responses, response_mask, log_probs)
 
+    def prompt_seeds(self, count: int, params: SamplingParams, seeds: torch.Tensor | None) -> torch.Tensor:
+        """``int64[count]``: ``seeds`` as given, else drawn from ``params.seed`` or the engine's generator."""
+        if seeds is not None:
+            seeds = torch.as_tensor(seeds, dtype=torch.int64).cpu().reshape(-1)
+            if len(seeds) != count:
+                raise ValueError(f"seeds has {len(seeds)} entries for {count} prompts: give one per prompt")
+            return seeds
+        generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+        return torch.randint(0, 2**62, (count,), generator=generator)
+
     def _sample(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         DynamicCache = hf("DynamicCache")
         # prefill each prompt once, then give each of its n samples a copy of the KV cache
         cache = DynamicCache()
@@ -166,7 +183,7 @@ class HFRolloutEngine(RolloutEngine):
         rows = torch.arange(batch, device=self.device)  # the batch rows in the decode batch
         alive = torch.ones(batch, dtype=torch.bool, device=self.device)
         for t in range(max_new):
-            token, log_prob = sample_next_token(logits, params, generator, rows, batch)
+            token, log_prob = sample_next_token(logits, params, seeds, t)
             token = token.masked_fill(~alive, self.pad_token_id)
             responses[rows, t] = token
             response_mask[rows, t] = alive.long()
@@ -177,7 +194,7 @@ class HFRolloutEngine(RolloutEngine):
             if self.drop_finished and not alive.all():
                 keep = alive.nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
-                rows, alive, token = rows[keep], alive[keep], token[keep]
+                rows, alive, token, seeds = rows[keep], alive[keep], token[keep], seeds[keep]
                 mask, next_position = mask[keep], next_position[keep]
             mask = torch.cat([mask, alive.long().unsqueeze(-1)], dim=-1)
             logits = self.model(input_ids=token.unsqueeze(-1), attention_mask=mask, position_ids=next_position,

@@ -6,7 +6,7 @@ import torch
 from pydantic import Field
 
 from flowrl.graph import Params, operator
-from operators.rollout.base import SamplingParams
+from operators.rollout.base import SamplingParams, prompt_seeds
 
 
 class Generate(Params):
@@ -29,16 +29,21 @@ SEQUENCE_FIELDS = {
 
 @operator(
     "rollout.generate", role="actor", scope="row", expands="n", cost=3.0, node_name="generate",
-    inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]"},
+    inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "uid": "object[B]"},
     outputs={**SEQUENCE_FIELDS, "rollout_log_probs": "float32[B, R]", "weight_version": "int64[B]"},
-    params=Generate, aux_outputs=("rollout_log_probs", "weight_version"),
+    params=Generate, aux_outputs=("rollout_log_probs", "weight_version"), optional_inputs=("uid",),
     val_params={"greedy": True}, dumped=("prompts", "responses", "response_mask", "weight_version"),
 )
 def generate(actor, batch, p: Generate):
-    """Sample ``n`` responses per prompt; ``weight_version`` records the policy that made each one."""
+    """Sample ``n`` responses per prompt; ``weight_version`` records the policy that made each one.
+
+    A prompt's samples are keyed by its ``uid`` and the run's seed, so they do
+    not depend on how the batch is split over the pool's workers.
+    """
     sampling = SamplingParams(n=p.n, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                               top_p=p.top_p, top_k=p.top_k, greedy=p.greedy)
-    out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling)
+    seeds = prompt_seeds(batch["uid"], actor.ctx.seed) if "uid" in batch else None
+    out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling, seeds=seeds)
     lengths = out["response_mask"].sum(-1).float()
     version = torch.full((len(lengths),), actor.version, dtype=torch.int64)
     metrics = {"response_length/mean": lengths.mean(), "response_length/max": lengths.max(),

@@ -31,7 +31,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from flowrl.data.expand import expand_rows
-from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses, rollout_output
+from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses, rollout_output, sample_seeds
 
 
 def _import_sglang() -> Any:
@@ -100,14 +100,17 @@ class SGLangRolloutEngine(RolloutEngine):
         return [int(t[1]) for t in triples], [float(t[0]) for t in triples]
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 params: SamplingParams | None = None, **overrides: Any) -> dict[str, torch.Tensor]:
+                 params: SamplingParams | None = None, *, seeds: torch.Tensor | None = None,
+                 **overrides: Any) -> dict[str, torch.Tensor]:
         params = self.resolve(params, overrides)
         attention_mask = attention_mask.long()
         prompts = expand_rows(input_ids, params.n).cpu()
         prompt_mask = expand_rows(attention_mask, params.n).cpu()
         requests = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
-        outputs = self.engine.generate(input_ids=requests, sampling_params=self._sampling_params(params),
-                                       return_logprob=True)
+        sampling: dict[str, Any] | list[dict[str, Any]] = self._sampling_params(params)
+        if seeds is not None:  # one seed per request; sglang honours it with enable_deterministic_inference
+            sampling = [{**sampling, "sampling_seed": int(s)} for s in sample_seeds(torch.as_tensor(seeds), params.n)]
+        outputs = self.engine.generate(input_ids=requests, sampling_params=sampling, return_logprob=True)
         tokens, log_probs = zip(*(self._tokens_and_log_probs(o) for o in outputs))
         responses, response_mask, rollout_log_probs = pad_responses(
             tokens, log_probs, params.max_new_tokens, self.pad_token_id)
