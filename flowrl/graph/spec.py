@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # torch-backed; imported where a batch is built, so declaring
 #: the name of the pseudo-node producing the data source's columns
 SOURCE = "data"
 
+#: what a node's rows depend on: itself alone, its group (the rows of one prompt, which share a
+#: ``uid``, verl's key: group-scoped nodes read it), or the whole batch
 Scope = Literal["row", "group", "batch"]
 
 SCOPES: tuple[str, ...] = ("row", "group", "batch")
@@ -80,7 +82,6 @@ class OperatorSpec:
     node_name: str = ""
     doc: str = ""
     cost: float = 1.0
-    group_key: str = "uid"
     module: str = ""
     optional_inputs: tuple[str, ...] = field(default=())
     expands: str | None = None

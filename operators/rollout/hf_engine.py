@@ -6,9 +6,9 @@ stops leaves the decode batch and the KV cache (``drop_finished``, the
 default), so a step costs what the rows still generating cost; responses come
 back as wide as the longest one. With ``drop_finished=False`` finished rows
 keep stepping with ``pad`` (masked out) and responses are ``max_new_tokens``
-wide — the old behaviour, kept to measure against. Sampling draws its noise
-for the whole batch either way, so both give the same tokens from the same
-seed. The log-probs come out of the loop, with no second pass. On
+wide — the old behaviour, kept to measure against. Each sample draws from a
+stream of its own (keyed by its prompt's seed), so both give the same tokens,
+as does any other split of the prompts into batches. The log-probs come out of the loop, with no second pass. On
 ``builtin:tiny`` (32 prompts × 8 samples, 8 tokens, one core) it measured
 ~1.4× faster than ``model.generate(output_scores=True)``; the model's own
 matmuls dominate both (``benchmarks/plain_grpo.py --compare-generate``).
