@@ -111,6 +111,11 @@ def test_two_ranks_take_the_step_one_process_takes_on_the_whole_batch(ray_sessio
     # the step's own forward (two micro-batches, initial weights) came back in the batch's row order too
     fresh = single_process_log_probs(g, single_process_actor(g), result.data)
     assert same_on_responses(result.data["old_log_probs"], fresh, result.data["response_mask"]) <= TOLERANCE
+    # the ranks sampled what one process samples on the whole batch: a prompt's stream is keyed by its uid
+    node = g.nodes["generate"]
+    sampled, _ = node.op.run(single_process_actor(g), first_batch(g), node.params)
+    ours = result.data["responses"]
+    assert ours.shape == sampled["responses"].shape and torch.equal(ours, sampled["responses"])
     updates = {i.rank: i for i in result.infos if i.node == "update_actor"}
     assert sorted(updates) == [0, 1] and sum(i.rows for i in updates.values()) == 32
     assert all(12 <= i.rows <= 20 for i in updates.values())  # each rank its share, not the whole batch
