@@ -317,6 +317,35 @@ def test_sigterm_saves_exits_143_and_resume_equals_an_uninterrupted_run(tmp_path
     assert values(rows(cut)) == values(full)
 
 
+def test_a_second_sigterm_aborts_and_loses_nothing_already_saved(tmp_path):
+    """SIGTERM, then SIGTERM again while the step in flight finishes: the run aborts at once (143),
+    and a resume from its last complete checkpoint gives the uninterrupted run's metrics."""
+    slow = {"trainer.checkpoint_every": 2, "nodes.reward.fn": "tests.userpkg.verl_rewards:compute_score_slowly",
+            "nodes.reward.batched": True}
+    slow_set = [x for k, v in slow.items() for x in ("--set", f"{k}={v}")]
+    steps, cut = 6, tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "run", "grpo", "--backend", "local",
+                             "--steps", "100", "--out", str(cut), *TINY_SET, *slow_set],
+                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    store = CheckpointStore(cut / "checkpoints")
+    deadline = time.time() + 180
+    while time.time() < deadline and not (store.root.is_dir() and store.complete()):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.15)   # the first is being handled: a step of this graph takes 0.8 s or more
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 143, out
+    assert "aborted by a second signal" in flat(out)
+    saved = [p.name for p in store.complete()]
+    assert saved and saved[0] in ("step_00000002", "step_00000004"), saved   # the abort saved nothing new
+    resumed = cli("run", "grpo", "--backend", "local", "--steps", str(steps), "--out", str(cut), "--resume",
+                  *TINY_SET, *slow_set)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    full = train(tmp_path / "full", steps=steps, **slow)
+    assert values(rows(cut)) == values(full)
+
+
 # ---------------------------------------------------------------- durable, tolerant files
 def test_a_torn_metrics_line_is_dropped_with_a_warning_and_resume_goes_on(tmp_path):
     train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})

@@ -10,3 +10,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def compute_score_batched(data_sources, solution_strs, ground_truths, extra_infos):
     """verl's batch reward manager signature: one result per response."""
     return [float(s.strip() == str(g).strip()) for s, g in zip(solution_strs, ground_truths)]
+
+
+def compute_score_slowly(data_sources, solution_strs, ground_truths, extra_infos):
+    """The batch signature, taking 0.8 s a batch: a step long enough to signal a run in the middle of it."""
+    import time
+
+    time.sleep(0.8)
+    return compute_score_batched(data_sources, solution_strs, ground_truths, extra_infos)
