@@ -33,6 +33,7 @@ from operators.models.fsdp import full_state_dict, shard_model, state_bytes, uns
 from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
 from operators.models.sharded_checkpoint import load_sharded, save_sharded
 from operators.rewards import RewardModelScorer
+from operators.rollout.base import prompt_seeds
 
 
 class RolloutConfig(BaseModel):
@@ -393,6 +394,11 @@ class Actor(TrainableRole):
                 if self.group.world_size > 1:  # generation calls forward per token: gather once
                     self._engine = _UnshardedEngine(self._engine, self.model, self.group)
         return self._engine
+
+    def sampling_seeds(self, batch: Any) -> torch.Tensor | None:
+        """The rollout seed of each prompt of ``batch``, from its ``uid`` and the run's seed: the same
+        samples on whichever rank a prompt lands; ``None`` when the batch has no uids."""
+        return prompt_seeds(batch["uid"], self.ctx.seed) if "uid" in batch else None
 
     def full_weights(self):
         """A block in which the rollout engine generates on full parameters however often it is

@@ -92,8 +92,10 @@ class CheckpointStore:
         final = self.root / f"step_{step + 1:08d}"
         tmp.mkdir(exist_ok=True)
         shards = payload.get("shards")
-        if shards and Path(shards).resolve() != tmp and Path(shards).is_dir():  # staged elsewhere
-            shutil.copytree(shards, tmp, dirs_exist_ok=True)
+        for role in _sharded_roles(payload["workers"]) if shards else ():
+            source = Path(shards) / role  # written by the pool's ranks: here already, unless staged elsewhere
+            if source.resolve() != tmp / role:
+                shutil.copytree(source, tmp / role, dirs_exist_ok=True)
         _write(tmp / "workers.pt", lambda f: torch.save(payload["workers"], f))
         _write(tmp / "weights.pt", lambda f: torch.save(payload["weights"], f))
         body = {**meta, "step": step, "source": payload.get("source"),
@@ -177,6 +179,12 @@ def _load_tensors(path: Path) -> Any:
 def _unsupported_global(text: str) -> str | None:
     m = re.search(r"GLOBAL ([\w.]+)", text)
     return f"it names {m.group(1)}" if m else None
+
+
+def _sharded_roles(workers: dict[Any, Any]) -> set[str]:
+    """The roles whose state the ranks of a pool wrote as shards (a directory each, not in ``workers.pt``)."""
+    return {state["sharded"] for worker in workers.values() for state in (worker.get("roles") or {}).values()
+            if isinstance(state, dict) and "sharded" in state}
 
 
 def fingerprint(config_dump: dict[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from operators.rewards.scoring import auto_reward_fn, place_at_last_token, resol
 from operators.rollout.agent_loop import (
     AgentConfig, AgentLoop, Request, make_generator, rollout_metrics, trajectory_tensors,
 )
-from operators.rollout.base import SamplingParams, prompt_seeds, sample_seeds
+from operators.rollout.base import SamplingParams, sample_seeds
 from operators.rollout.envs import Environment
 from operators.rollout.ops import SEQUENCE_FIELDS, unshard_metrics
 from operators.rollout.tool_parsers import get_parser
@@ -127,8 +127,9 @@ def multi_turn(actor, batch, p: MultiTurn):
                      render_tool_schemas=p.render_tool_schemas)
     rollouts = p.n // per_rollout
     # each rollout's sampling is keyed by its prompt's uid: the same conversations on any rank
-    seeds = (sample_seeds(prompt_seeds(batch["uid"], actor.ctx.seed), rollouts).view(-1, rollouts).tolist()
-             if "uid" in batch else [[None] * rollouts] * len(batch["prompts"]))
+    prompt_keys = actor.sampling_seeds(batch)
+    seeds = ([[None] * rollouts] * len(batch["prompts"]) if prompt_keys is None
+             else sample_seeds(prompt_keys, rollouts).view(-1, rollouts).tolist())
     requests = []
     for ids, mask, extra, row_seeds in zip(batch["prompts"], batch["prompt_mask"], batch["extra_info"], seeds):
         requests += [Request(ids[mask.bool()].tolist(), _row_kwargs(extra, "tools_kwargs"),

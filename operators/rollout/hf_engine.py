@@ -145,14 +145,14 @@ class HFRolloutEngine(RolloutEngine):
             raise RuntimeError("the rollout engine's memory is released; call resume_memory() first")
         input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device).long()
         with self._lock:
-            seeds = self.prompt_seeds(len(input_ids), params, seeds)
+            seeds = self._seeds(len(input_ids), params, seeds)
             responses, response_mask, log_probs = self._sample(input_ids, attention_mask, params,
                                                                sample_seeds(seeds, params.n).to(self.device))
         prompts = expand_rows(input_ids, params.n)
         prompt_mask = expand_rows(attention_mask, params.n)
         return rollout_output(prompts, prompt_mask, responses, response_mask, log_probs)
 
-    def prompt_seeds(self, count: int, params: SamplingParams, seeds: torch.Tensor | None) -> torch.Tensor:
+    def _seeds(self, count: int, params: SamplingParams, seeds: torch.Tensor | None) -> torch.Tensor:
         """``int64[count]``: ``seeds`` as given, else drawn from ``params.seed`` or the engine's generator."""
         if seeds is not None:
             seeds = torch.as_tensor(seeds, dtype=torch.int64).cpu().reshape(-1)

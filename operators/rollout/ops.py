@@ -6,7 +6,7 @@ import torch
 from pydantic import Field
 
 from flowrl.graph import Params, operator
-from operators.rollout.base import SamplingParams, prompt_seeds
+from operators.rollout.base import SamplingParams
 
 
 class Generate(Params):
@@ -42,8 +42,7 @@ def generate(actor, batch, p: Generate):
     """
     sampling = SamplingParams(n=p.n, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                               top_p=p.top_p, top_k=p.top_k, greedy=p.greedy)
-    seeds = prompt_seeds(batch["uid"], actor.ctx.seed) if "uid" in batch else None
-    out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling, seeds=seeds)
+    out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling, seeds=actor.sampling_seeds(batch))
     lengths = out["response_mask"].sum(-1).float()
     version = torch.full((len(lengths),), actor.version, dtype=torch.int64)
     metrics = {"response_length/mean": lengths.mean(), "response_length/max": lengths.max(),
