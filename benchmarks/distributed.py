@@ -11,7 +11,8 @@ gloo on loopback): the model is built, sharded over the ranks
 model; a pool of one is left whole), and
 takes ``--steps`` AdamW updates on the same batch split by
 :func:`flowrl.data.balance.balance_ranks`, with the loss normalised by the
-all-reduced token count (:func:`operators.models.data_parallel.data_parallel_step`).
+all-reduced token count (the ``fsdp2`` training engine's
+:meth:`~operators.models.engine.TrainEngine.forward_backward` and ``optimizer_step``).
 Per rank it reports the median step time after one warm-up step, the peak
 resident memory of those steps (Linux ``VmHWM``, reset after the warm-up) and
 how far it rises above the process's memory before the model was built, the
@@ -69,9 +70,9 @@ def rank_main(rank: int, world: int, args, addresses, results) -> None:
 
     from flowrl.data.balance import balance_ranks
     from flowrl.runtime.distributed import PoolGroup, listen
-    from operators.models import build_optimizer, response_log_probs
-    from operators.models.data_parallel import LossNorm, data_parallel_step
-    from operators.models.fsdp import build_sharded, full_state_dict, state_bytes
+    from operators.models import OptimConfig, response_log_probs
+    from operators.models.engine import build_engine
+    from operators.models.fsdp import build_sharded
 
     if world == 1:
         group = PoolGroup.single("train")
@@ -88,8 +89,11 @@ def rank_main(rank: int, world: int, args, addresses, results) -> None:
         torch.manual_seed(0)
         return LlamaForCausalLM(model_config(args.quick))
 
-    model = build_sharded(build, group)  # only rank 0 ever holds the full model
-    optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-5})
+    # only rank 0 ever holds the full model; the engine keeps the sharded one as it is
+    engine = build_engine(None, build_sharded(build, group), optim=OptimConfig(lr=1e-5, grad_clip=1.0),
+                          group=group)
+    engine.reduce_once = args.reduce_once
+    model = engine.model
     batch = make_batch(args.rows, args.prompt, args.response)
     mine = balance_ranks(batch["response_mask"].sum(-1).tolist(), world)[rank]
     mbs = [{k: v[mine[s:s + args.micro]] for k, v in batch.items()} for s in range(0, len(mine), args.micro)]
@@ -109,17 +113,17 @@ def rank_main(rank: int, world: int, args, addresses, results) -> None:
                 f.write("5")  # reset the peak-RSS counter
         group.barrier("step start")
         start = time.perf_counter()
-        norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
-        data_parallel_step(model, optimizer, mbs, loss_fn, group, norm=norm, grad_clip=1.0,
-                           reduce_once=args.reduce_once)
+        engine.zero_grad()
+        engine.forward_backward(mbs, loss_fn)
+        engine.optimizer_step()
         group.barrier("step end")
         times.append(time.perf_counter() - start)
     peak = _status_kib("VmHWM") * 1024
     group.barrier("gather start")
     start = time.perf_counter()
-    full_state_dict(model, group)
+    engine.get_weights()
     gather = time.perf_counter() - start
-    held = state_bytes(model, optimizer)
+    held = engine.held_bytes()
     results.put({"world": world, "rank": rank, "step_s": statistics.median(times[1:] or times),
                  "peak": peak, "started": started, "params": held["params"], "optim": held["optimizer"],
                  "gather_s": gather, "n_params": sum(p.numel() for p in model.parameters())})

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from flowrl.data.metrics import Metric, mean, total
 from flowrl.graph import Params, operator
 from flowrl.graph.checks import MissingProducerError, graph_check
 from operators.algos import (
@@ -102,11 +103,11 @@ def agg_kwargs(norm) -> dict[str, float]:
     return {} if norm is None else {"norm_tokens": norm.tokens, "norm_seqs": norm.seqs}
 
 
-def contributions(metrics: dict, norm, mask) -> dict:
-    """Per-micro-batch means as their share of the mini-batch's value (``fit`` sums them);
-    ``*_max`` metrics stay as they are (``fit`` keeps the largest)."""
-    w = 1.0 if norm is None else norm.weight(mask)
-    return {k: v if k.endswith("_max") else v * w for k, v in metrics.items()}
+def token_means(metrics: dict, mask) -> dict:
+    """A micro-batch's metrics as means over its real tokens (weighted by their count when the
+    update reduces them over micro-batches and ranks); declared reductions (maxima) stay."""
+    tokens = float(mask.sum())
+    return {k: v if isinstance(v, Metric) else mean(v, tokens) for k, v in metrics.items()}
 
 
 @graph_check
@@ -176,12 +177,13 @@ def update(actor, batch, p: ActorUpdate):
         metrics.update({"clipfrac": pg.pg_clipfrac, "approx_kl": pg.ppo_kl})
         if p.dual_clip or p.policy_loss != "vanilla":
             metrics["clipfrac_lower"] = pg.pg_clipfrac_lower
-        metrics = contributions(metrics, norm, mb["response_mask"])
-        metrics.update({"pg_loss": pg.pg_loss.detach(), "entropy": ent.detach()})  # already mini-batch shares
+        metrics = token_means(metrics, mb["response_mask"])
+        # normalised by the whole mini-batch: each micro-batch's loss is its share, and the shares add up
+        metrics.update({"pg_loss": total(pg.pg_loss.detach()), "entropy": total(ent.detach())})
         if p.use_kl_loss:
             kl = kl_loss(log_prob, mb["ref_log_prob"], mask, p.kl_loss_type, p.loss_agg_mode, **agg)
             loss = loss + p.kl_loss_coef * kl
-            metrics["kl_loss"] = kl.detach()
+            metrics["kl_loss"] = total(kl.detach())
         return loss, metrics
 
     m = actor.fit(batch, loss_fn, mini_batch_size=p.mini_batch_size, epochs=p.epochs,

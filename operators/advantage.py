@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from pydantic import AliasChoices, Field, model_validator
 
+from flowrl.data.metrics import maximum, minimum
 from flowrl.graph import Params, operator
 from operators.algos import (
     gae_advantages,
@@ -154,8 +155,9 @@ def gdpo(batch, p: GDPO):
         scores = reward_components(batch["reward_extra_info"], p.reward_keys)
         # each component as a [B, 1] reward: GRPO reads only each response's total, wherever it sits
         components = [scores[:, k:k + 1] for k in range(len(p.reward_keys))]
-        metrics = {f"gdpo/{key}/{stat}": getattr(scores[:, k], stat)()
-                   for k, key in enumerate(p.reward_keys) for stat in ("mean", "max", "min")}
+        metrics = {f"gdpo/{key}/{stat}": how(getattr(scores[:, k], stat)())
+                   for k, key in enumerate(p.reward_keys)
+                   for stat, how in (("mean", float), ("max", maximum), ("min", minimum))}
     adv, ret = gdpo_advantages(components, batch["response_mask"], batch["uid"], weights=p.reward_weights,
                                norm_by_std=p.norm_by_std, epsilon=p.epsilon)
     advantages, base = _out(adv, ret, batch["response_mask"])

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from flowrl.graph import Params, operator
-from operators.actor import AGG, agg_kwargs, contributions
+from flowrl.data.metrics import total
+from operators.actor import AGG, agg_kwargs, token_means
 from operators.algos import value_loss
 from operators.logprob import SEQUENCE_IN
 from operators.models import response_values
@@ -40,7 +41,7 @@ def update(critic, batch, p: CriticUpdate):
                                  mb["responses"].shape[1])
         loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
                                     p.cliprange_value, p.loss_agg_mode, **agg_kwargs(norm))
-        return loss, {"vf_loss": loss.detach(), **contributions({"vf_clipfrac": clipfrac}, norm, mb["response_mask"])}
+        return loss, {"vf_loss": total(loss.detach()), **token_means({"vf_clipfrac": clipfrac}, mb["response_mask"])}
 
     m = critic.fit(batch, loss_fn, mini_batch_size=p.mini_batch_size, epochs=p.epochs,
                    micro_batch_size=p.micro_batch_size)

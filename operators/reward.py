@@ -9,6 +9,7 @@ from functools import lru_cache
 
 from pydantic import Field
 
+from flowrl.data.metrics import maximum, minimum
 from flowrl.graph import Params, operator
 from flowrl.graph.checks import ParameterError, graph_check
 from operators.models import load_tokenizer
@@ -66,7 +67,7 @@ def _score(batch, p: Rule):
         tokenizer=tokenizer_for(batch.meta_info["tokenizer"]), fn=p.fn, batched=p.batched,
         reward_style=batch["reward_style"] if "reward_style" in batch else None,
     )
-    metrics = {"reward/mean": scores.mean(), "reward/max": scores.max(), "reward/min": scores.min(),
+    metrics = {"reward/mean": scores.mean(), "reward/max": maximum(scores.max()), "reward/min": minimum(scores.min()),
                **extra_metrics(extras)}
     return scores, extras, metrics
 

@@ -16,21 +16,17 @@ Example YAML::
 from __future__ import annotations
 
 import contextlib
-import math
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from flowrl.graph import role_kind
-from operators.models import (ModelLoadError, OptimConfig, build_optimizer, check_model_spec, clip_grad_norm,
-                              load_model)
-from operators.models.data_parallel import LossNorm, data_parallel_forward, pass_count
-from operators.models.fsdp import full_state_dict, shard_model, state_bytes, unsharded
-from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
+from operators.models import ModelLoadError, OptimConfig, check_model_spec, load_model
+from operators.models.engine import ENGINES, LossFn, build_engine, part_of
+from operators.models.fsdp import unsharded
 from operators.models.sharded_checkpoint import load_sharded, save_sharded
 from operators.rewards import RewardModelScorer
 from operators.rollout.base import prompt_seeds
@@ -67,162 +63,77 @@ class ModelRoleConfig(BaseModel):
     model: ModelPath = Field("builtin:tiny", description="'builtin:tiny' or a local Hugging Face directory")
     dtype: Literal["float32", "bfloat16", "bf16", "fp32"] = "float32"
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
+    engine: str | None = Field(None, description="the training engine: 'local' (one process) or 'fsdp2' (sharded "
+                               "over the pool's workers); unset: fsdp2 on a pool of several workers, else local")
     max_tokens_per_micro_batch: int | None = Field(
         None, ge=1, description="token budget of one forward/backward pass: rows bucketed by length, each "
         "micro-batch cut to its longest response (verl's use_dynamic_bsz); none: micro_batch_size rows, full width")
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str | None) -> str | None:
+        if name is not None and name not in ENGINES:
+            raise ValueError(f"no training engine {name!r}; registered: {', '.join(sorted(ENGINES))}")
+        return name
 
 
 class ActorConfig(ModelRoleConfig):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
 
-class _NoGroup:
-    """The group of a role that shares none (a pool of one, or the local backend's threads)."""
-
-    rank, world_size = 0, 1
-
-    def all_reduce(self, tensor: torch.Tensor, name: str = "", op: str = "sum") -> torch.Tensor:
-        return tensor
-
-    def guard(self, name: str):
-        return contextlib.nullcontext()
-
-
 class TrainableRole:
-    """A model, its optimizer (unless frozen), and an optimizer step with grad clipping.
+    """A model trained by a registered engine (:mod:`operators.models.engine`), unless frozen.
 
-    On a pool whose ranks form a process group (``ctx.group`` of N > 1) the
-    model is sharded with FSDP2 before the optimizer is built (rank 0's initial
-    weights on every rank), and :meth:`fit` / :meth:`forward` are data
-    parallel: each rank runs its rows, every rank the same number of passes.
+    The engine is the role's ``engine:`` (``local``, ``fsdp2``), or by the
+    pool: ``fsdp2`` on a pool whose ranks form a process group (``ctx.group``
+    of N > 1), ``local`` otherwise. The role holds the math; ``fit``,
+    ``forward`` and the weights are the engine's.
     """
 
     def __init__(self, model: torch.nn.Module, cfg: ModelRoleConfig, ctx: Any) -> None:
-        self.group = getattr(ctx, "group", None) or _NoGroup()
-        if self.group.world_size > 1:
-            model = shard_model(model, self.group)
-        self.model, self.cfg, self.ctx = model, cfg, ctx
+        self.cfg, self.ctx = cfg, ctx
+        self.train_engine = build_engine(cfg.engine, model, optim=None if ctx.frozen else cfg.optim,
+                                         group=getattr(ctx, "group", None), seed=ctx.seed,
+                                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         self.version = 0
-        self.updates = 0
-        self.extra_state: dict[str, Any] = {}  # operators' state across steps (an adaptive KL β)
-        self.optimizer = self.scheduler = None
-        if ctx.frozen:
-            model.requires_grad_(False)
-        else:
-            self.optimizer, self.scheduler = build_optimizer(model.parameters(), cfg.optim)
-        model.eval()
 
-    def step(self, backward) -> dict[str, float]:
-        """One optimizer step: ``backward()`` accumulates the gradients; returns grad_norm and lr."""
-        assert self.optimizer is not None, f"role {self.ctx.name!r} is frozen"
-        self.model.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        backward()
-        with self.group.guard("update: grad norm"):  # the global norm over every rank's shards
-            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip)
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.model.eval()
-        self.updates += 1
-        return {"grad_norm": grad_norm, "lr": lr}
+    # what the engine holds, as the role's (a checkpoint reads and writes them)
+    model = property(lambda self: self.train_engine.model)
+    optimizer = property(lambda self: self.train_engine.optimizer)
+    scheduler = property(lambda self: self.train_engine.scheduler)
+    group = property(lambda self: self.train_engine.group)
 
-    def fit(self, batch: Any, loss_fn: Callable[[Any, LossNorm], tuple[torch.Tensor, dict]], *,
-            mini_batch_size: int | None, epochs: int, micro_batch_size: int | None) -> dict[str, float]:
-        """PPO-style training on ``batch``: ``epochs`` passes over shuffled mini-batches,
-        one optimizer step per mini-batch, gradients accumulated over micro-batches.
+    @property
+    def updates(self) -> int:
+        return self.train_engine.updates
 
-        ``loss_fn(micro_batch, norm) -> (loss, metrics)`` normalises its loss by
-        ``norm`` (:class:`LossNorm`, the mini-batch's token and sequence counts),
-        so the micro-batch losses sum to the mini-batch's and are backpropagated
-        as they are: the step does not depend on how the mini-batch is cut. Its
-        metrics are contributions to the mini-batch's value in the same sense
-        (a mean over the micro-batch's tokens times ``norm.weight(mask)``) and
-        are summed per mini-batch (``*_max`` metrics: the largest is kept). With the role's ``max_tokens_per_micro_batch``
-        the micro-batches are length buckets under that budget, each cut to its
-        own longest response; without it, ``micro_batch_size`` consecutive rows
-        at full width. Returns the metrics averaged over mini-batches, plus
-        ``grad_norm`` and ``lr``.
-        """
-        group = self.group
-        n = len(batch)
-        total = n if group.world_size == 1 else int(group.all_reduce(
-            torch.tensor([n], dtype=torch.int64), name="update: rows over ranks"))
-        mini = min(mini_batch_size or total, total)
-        micro = min(micro_batch_size or mini, mini)
-        budget = self.cfg.max_tokens_per_micro_batch
-        prompt_length = batch["input_ids"].shape[1] - batch["responses"].shape[1]
-        lengths = response_lengths(batch)
-        mask = batch["response_mask"]
-        gen = torch.Generator().manual_seed(self.ctx.seed * 7919 + self.updates)
-        totals: dict[str, list[float]] = {}
+    @updates.setter
+    def updates(self, value: int) -> None:
+        self.train_engine.updates = value
 
-        def accumulate(mb_rows: torch.Tensor) -> None:
-            # one all-reduce: every rank's loss is normalised by the whole mini-batch's counts
-            norm = LossNorm.of([mask[mb_rows]], group)
-            parts = token_budget_split(lengths[mb_rows], prompt_length, budget, micro)
-            sums: dict[str, float] = {}
-            # a sharded forward is a collective: every rank runs as many passes as the busiest,
-            # a rank with fewer repeats its last micro-batch with no weight
-            with group.guard("update: forward/backward"):
-                for i in range(pass_count(parts, group)):
-                    rows = mb_rows[parts[min(i, len(parts) - 1)]]
-                    mb = batch[rows] if budget is None else trim(batch[rows], max(1, int(lengths[rows].max())))
-                    loss, metrics = loss_fn(mb, norm)
-                    if i >= len(parts):
-                        (loss * 0.0).backward()
-                        continue
-                    loss.backward()
-                    for k, v in metrics.items():
-                        v = float(v.detach()) if torch.is_tensor(v) else float(v)
-                        sums[k] = max(sums.get(k, v), v) if k.endswith("_max") else sums.get(k, 0.0) + v
-            for k, v in _reduce_metrics(sums, group).items():
-                totals.setdefault(k, []).append(v)
-
-        for _ in range(epochs):
-            order = torch.randperm(n, generator=gen) if mini < total else torch.arange(n)
-            for rows in _mini_batches(order, total, mini, group.world_size):
-                for k, v in self.step(lambda rows=rows: accumulate(rows)).items():
-                    totals.setdefault(k, []).append(v)
-        return {k: max(v) if k.endswith("_max") else sum(v) / len(v) for k, v in totals.items()}
+    def fit(self, batch: Any, loss_fn: LossFn, *, mini_batch_size: int | None, epochs: int,
+            micro_batch_size: int | None) -> dict[str, float]:
+        """PPO-style training on ``batch`` (:meth:`TrainEngine.train_batch`)."""
+        return self.train_engine.train_batch(batch, loss_fn, mini_batch_size=mini_batch_size, epochs=epochs,
+                                             micro_batch_size=micro_batch_size)
 
     def forward(self, batch: Any, fn: Callable[[Any], torch.Tensor]) -> torch.Tensor:
-        """``fn(micro_batch) -> [b, r, ...]`` over the whole batch, in row order, ``R`` wide.
-
-        Under the role's ``max_tokens_per_micro_batch`` the rows go in length
-        buckets, each cut to its own longest response (positions past it come
-        back 0; past a row's own response they are padding either way); without
-        it, one call on the whole batch. Gradients
-        are not tracked: this is for log-probs and values of a batch, not updates.
-        """
-        budget = self.cfg.max_tokens_per_micro_batch
-        if budget is None:
-            return data_parallel_forward([batch], fn, self.group)[0]
-        width = batch["responses"].shape[1]
-        lengths = response_lengths(batch)
-        splits = token_budget_split(lengths, batch["input_ids"].shape[1] - width, budget)
-        micro_batches = [trim(batch[rows], max(1, int(lengths[rows].max()))) for rows in splits]
-        return restore(data_parallel_forward(micro_batches, fn, self.group), splits, width)
+        """``fn(micro_batch) -> [b, r, ...]`` over the whole batch, no gradients (:meth:`TrainEngine.infer_batch`)."""
+        return self.train_engine.infer_batch(batch, fn)
 
     def held_bytes(self) -> dict[str, int]:
-        """Bytes of parameters and optimizer state on this rank (its shards, when sharded)."""
-        return state_bytes(self.model, self.optimizer)
+        return self.train_engine.held_bytes()
 
     def get_weights(self) -> dict[str, torch.Tensor] | None:
         """The full weights, on CPU. Sharded: a collective on every rank, the dict on rank 0 (None elsewhere)."""
-        return full_state_dict(self.model, self.group)
+        return self.train_engine.get_weights()
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full weights (another pool's :meth:`get_weights`); sharded: each rank copies its part."""
         self._load_full_model(weights)
 
     def _load_full_model(self, weights: dict[str, torch.Tensor]) -> None:
-        if self.group.world_size == 1:
-            self.model.load_state_dict(weights)
-            return
-        with torch.no_grad():
-            for name, target in self.model.state_dict().items():
-                _local_of(target).copy_(_part_of(target, weights[name]))
+        self.train_engine.set_weights(weights)
 
     def state_dict(self, shards: str | Path | None = None) -> dict[str, Any]:
         """Everything a checkpoint needs to continue exactly.
@@ -232,7 +143,7 @@ class TrainableRole:
         optimizer state to ``<shards>/<role>`` (``torch.distributed.checkpoint``,
         safetensors; any number of ranks loads it back) and returns the rest.
         """
-        state: dict[str, Any] = {"updates": self.updates, "extra_state": self.extra_state}
+        state: dict[str, Any] = {"updates": self.updates}
         if self.group.world_size > 1:
             if shards is None:
                 raise ValueError(f"role {self.ctx.name!r} is sharded over {self.group.world_size} ranks: its "
@@ -268,11 +179,6 @@ class TrainableRole:
         if self.optimizer is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.updates = state.get("updates", 0)
-        self.extra_state = dict(state.get("extra_state", {}))
-
-
-def _local_of(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _copied(state: dict[str, Any]) -> dict[str, Any]:
@@ -280,51 +186,13 @@ def _copied(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
-def _part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``full``, laid out as the (sharded) ``target``; no communication."""
-    if not isinstance(target, DTensor):
-        return full
-    shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
-    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-
-
 def _sharded_part(param: torch.Tensor, value: Any) -> Any:
     """This rank's part of a whole optimizer-state tensor, as a DTensor laid out like ``param``
     (scalars such as Adam's step count stay plain)."""
     if not isinstance(param, DTensor) or not torch.is_tensor(value) or value.dim() == 0:
         return value
-    return DTensor.from_local(_part_of(param, value).clone(), param.device_mesh, param.placements,
+    return DTensor.from_local(part_of(param, value).clone(), param.device_mesh, param.placements,
                               run_check=False, shape=param.shape, stride=param.stride())
-
-
-def _mini_batches(order: torch.Tensor, total: int, mini: int, world: int) -> list[torch.Tensor]:
-    """This rank's rows of each mini-batch, cut from its shuffled ``order``.
-
-    One process: consecutive ``mini`` rows. ``world`` ranks: as many mini-batches
-    as ``total`` rows over all ranks make, each rank's rows cut into that many
-    near-equal runs, so every rank steps the same number of times.
-    """
-    if world == 1:
-        return [order[s:s + mini] for s in range(0, len(order), mini)]
-    count = math.ceil(total / mini)
-    per, extra = divmod(len(order), count)
-    bounds = [i * per + min(i, extra) for i in range(count + 1)]
-    return [order[bounds[i]:bounds[i + 1]] for i in range(count)]
-
-
-def _reduce_metrics(sums: dict[str, float], group: Any) -> dict[str, float]:
-    """One mini-batch's metric contributions summed over ranks (``*_max``: the largest)."""
-    if group.world_size == 1 or not sums:
-        return sums
-    keys = sorted(sums)
-    out: dict[str, float] = {}
-    for op in ("sum", "max"):
-        names = [k for k in keys if k.endswith("_max") == (op == "max")]
-        if names:
-            values = group.all_reduce(torch.tensor([sums[k] for k in names], dtype=torch.float64),
-                                      name=f"update metrics ({op})", op=op)
-            out.update(zip(names, values.tolist()))
-    return out
 
 
 class _UnshardedEngine:

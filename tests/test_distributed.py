@@ -15,14 +15,18 @@ import warnings
 import pytest
 import torch
 
+from flowrl.data import DataProto
 from flowrl.data.balance import balance_ranks
+from flowrl.data.dispatch import TASK_ROWS
+from flowrl.data.metrics import total
 from flowrl.runtime.checkpoint import CheckpointStore
 from flowrl.runtime.distributed import CollectiveError, PoolGroup, backend_for, listen
 from flowrl.runtime.worker import RoleContext
-from operators.models import build_optimizer, load_model, response_log_probs, response_values
-from operators.models.data_parallel import LossNorm, data_parallel_forward, data_parallel_step
+from operators.models import OptimConfig, load_model, response_log_probs, response_values
+from operators.models.data_parallel import LossNorm, data_parallel_forward
+from operators.models.engine import TrainEngine, build_engine
 from operators.models.export import ExportError, checkpoint_weights, export_hf
-from operators.models.fsdp import build_sharded, full_state_dict, shard_model, state_bytes, unsharded
+from operators.models.fsdp import build_sharded, shard_model, state_bytes, unsharded
 from operators.models.tiny import build_tiny_model
 from operators.models.sharded_checkpoint import load_sharded, save_sharded
 from operators.roles import Actor, ActorConfig
@@ -120,37 +124,48 @@ def rank_rows(step: int) -> list[list[int]]:
     return balance_ranks(batch["response_mask"].sum(-1).tolist(), world=2)
 
 
-def train(model, optimizer, group, steps: int, pick, micro: int, grad_clip):
+def step_on(engine: TrainEngine, mbs) -> dict:
+    """One optimizer step of the engine over this process's micro-batches of a mini-batch."""
+    engine.zero_grad()
+    metrics = engine.forward_backward(mbs, lambda mb, nrm: pg_loss(engine.model, mb, nrm))
+    return {**metrics, **engine.optimizer_step()}
+
+
+def train(engine: TrainEngine, steps: int, pick, micro: int):
     """``steps`` data-parallel updates; ``pick(step)`` is this process's rows of the step's batch."""
     for step in range(steps):
-        mbs = micro_batches(rows(make_batch(step), pick(step)), micro)
-        norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
-        data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), group,
-                           norm=norm, grad_clip=grad_clip)
+        step_on(engine, micro_batches(rows(make_batch(step), pick(step)), micro))
 
 
-def fresh(group=None, seed: int = 0, lr: float = 1e-3):
+def fresh(group=None, seed: int = 0, lr: float = 1e-3, grad_clip: float | None = 1.0) -> TrainEngine:
+    """The engine a role builds: ``fsdp2`` over a group of two, ``local`` in one process."""
     model, _ = load_model("builtin:tiny", seed=seed)
-    if group is not None:
-        model = shard_model(model, group)
-    optimizer, _ = build_optimizer(model.parameters(), {"lr": lr})
-    return model, optimizer
+    return build_engine(None, model, optim=OptimConfig(lr=lr, grad_clip=grad_clip), group=group)
 
 
-def single_process(steps: int, micro: int, grad_clip, halves: bool):
+def single_process(steps: int, micro: int, grad_clip, halves: bool) -> TrainEngine:
     """The reference: one process, the whole batch (or rank 0's rows then rank 1's)."""
-    group = PoolGroup.single(POOL)
-    model, optimizer = fresh()
+    engine = fresh(PoolGroup.single(POOL), grad_clip=grad_clip)
     if halves:  # each rank's rows as one micro-batch, rank 0 first: what FSDP sums
         for step in range(steps):
             batch = make_batch(step)
-            mbs = [rows(batch, part) for part in rank_rows(step)]
-            norm = LossNorm.of([mb["response_mask"] for mb in mbs])
-            data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), group,
-                               norm=norm, grad_clip=grad_clip)
+            step_on(engine, [rows(batch, part) for part in rank_rows(step)])
     else:
-        train(model, optimizer, group, steps, lambda step: list(range(ROWS)), micro, grad_clip)
-    return model, optimizer
+        train(engine, steps, lambda step: list(range(ROWS)), micro)
+    return engine
+
+
+def proto_batch(step: int) -> DataProto:
+    """:func:`make_batch` as the batch an update operator receives."""
+    batch = make_batch(step)
+    return DataProto.from_dict({**batch, "responses": batch["input_ids"][:, PROMPT:]})
+
+
+def ppo_loss(engine: TrainEngine):
+    def loss_fn(mb, norm):
+        loss, _ = pg_loss(engine.model, mb, norm)
+        return loss, {"pg_loss": total(loss.detach())}
+    return loss_fn
 
 
 # ---------------------------------------------------------------- functions run on the ranks
@@ -159,10 +174,23 @@ def single_process(steps: int, micro: int, grad_clip, halves: bool):
 def _train_on_rank(state, steps, micro, grad_clip):
     group = state["group"]
     # different seeds per rank: only the broadcast from rank 0 makes them start equal
-    model, optimizer = fresh(group, seed=group.rank)
-    train(model, optimizer, group, steps, lambda step: rank_rows(step)[group.rank], micro, grad_clip)
-    state["model"], state["optimizer"] = model, optimizer
-    return full_state_dict(model, group), state_bytes(model, optimizer)
+    engine = fresh(group, seed=group.rank, grad_clip=grad_clip)
+    train(engine, steps, lambda step: rank_rows(step)[group.rank], micro)
+    state["model"], state["optimizer"] = engine.model, engine.optimizer
+    return engine.get_weights(), engine.held_bytes()
+
+
+def _train_batches_on_rank(state, mini, epochs, micro):
+    """Two updates through ``train_batch`` on this rank's balanced rows of each batch."""
+    group = state["group"]
+    engine = fresh(group, seed=group.rank)
+    for step in range(2):
+        part = rank_rows(step)[group.rank]
+        mine = proto_batch(step)[part]
+        mine.meta_info[TASK_ROWS] = (part, ROWS)  # what a balanced dispatch leaves on a rank's part
+        metrics = engine.train_batch(mine, ppo_loss(engine), mini_batch_size=mini, epochs=epochs,
+                                     micro_batch_size=micro)
+    return engine.get_weights(), metrics
 
 
 def _unsharded_rollout(state, ids):
@@ -182,41 +210,34 @@ def _save(state, path):
 
 def _load_and_step(state, path, pick_rows):
     group = state["group"]
-    model, optimizer = fresh(group, seed=7)
-    meta = load_sharded(path, model, optimizer, group)
-    loaded = full_state_dict(model, group)
-    train_one(model, optimizer, group, pick_rows)
-    return meta, loaded, full_state_dict(model, group)
+    engine = fresh(group, seed=7)
+    meta = load_sharded(path, engine.model, engine.optimizer, group)
+    loaded = engine.get_weights()
+    train_one(engine, pick_rows)
+    return meta, loaded, engine.get_weights()
 
 
-def train_one(model, optimizer, group, pick_rows):
-    batch = make_batch(99)
-    mbs = micro_batches(rows(batch, pick_rows), 3)
-    norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
-    data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), group,
-                       norm=norm, grad_clip=1.0)
+def train_one(engine: TrainEngine, pick_rows):
+    step_on(engine, micro_batches(rows(make_batch(99), pick_rows), 3))
 
 
 def _build_and_step(state):
     group = state["group"]
     model = build_sharded(lambda: build_tiny_model(seed=0 if group.rank == 0 else 5), group)
-    built = full_state_dict(model, group)
-    optimizer, _ = build_optimizer(model.parameters(), {"lr": 1e-3})
-    train_one(model, optimizer, group, rank_rows(99)[group.rank])
-    return built, full_state_dict(model, group), state_bytes(model)
+    engine = build_engine(None, model, optim=OptimConfig(lr=1e-3, grad_clip=1.0), group=group)
+    built = engine.get_weights()
+    train_one(engine, rank_rows(99)[group.rank])
+    return built, engine.get_weights(), state_bytes(engine.model)
 
 
 def _uneven_step_and_forward(state, my_rows):
     """Rank 0 holds 5 rows (3 micro-batches of 2), rank 1 holds 3 (2 micro-batches)."""
     group = state["group"]
-    model, optimizer = fresh(group)
-    batch = make_batch(7)
-    mbs = micro_batches(rows(batch, my_rows), 2)
-    norm = LossNorm.of([mb["response_mask"] for mb in mbs], group)
-    data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), group,
-                       norm=norm, grad_clip=1.0)
-    log_probs = data_parallel_forward(mbs, lambda mb: pg_log_probs(model, mb), group)
-    return full_state_dict(model, group), torch.cat(log_probs)
+    engine = fresh(group)
+    mbs = micro_batches(rows(make_batch(7), my_rows), 2)
+    step_on(engine, mbs)
+    log_probs = data_parallel_forward(mbs, lambda mb: pg_log_probs(engine.model, mb), group)
+    return engine.get_weights(), torch.cat(log_probs)
 
 
 def pg_log_probs(model, mb):
@@ -249,8 +270,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 def test_two_rank_update_equals_one_process_on_the_whole_batch(ranks):
     (weights, bytes0), (none, bytes1) = on_ranks(ranks, _train_on_rank, [3, 3], [2, 2], [1.0, 1.0])
     assert none is None  # the full weights land on rank 0 only
-    model, _ = single_process(steps=3, micro=ROWS, grad_clip=1.0, halves=False)
-    reference = {k: v.detach() for k, v in model.state_dict().items()}
+    reference = single_process(steps=3, micro=ROWS, grad_clip=1.0, halves=False).get_weights()
     start, _ = load_model("builtin:tiny", seed=0)
     assert max_diff(reference, start.state_dict()) > 1e-3  # the steps moved the weights
     assert max_diff(weights, reference) <= 1e-5
@@ -263,16 +283,35 @@ def test_two_rank_update_equals_one_process_on_the_whole_batch(ranks):
 
 def test_two_rank_update_equals_one_process_accumulating_the_halves_bit_for_bit(ranks):
     (weights, _), _ = on_ranks(ranks, _train_on_rank, [3, 3], [ROWS, ROWS], [None, None])
-    model, _ = single_process(steps=3, micro=ROWS, grad_clip=None, halves=True)
-    reference = model.state_dict()
+    reference = single_process(steps=3, micro=ROWS, grad_clip=None, halves=True).get_weights()
     for k in reference:
         assert torch.equal(weights[k], reference[k]), k
+
+
+@pytest.mark.parametrize("mini, epochs, micro", [(3, 2, 2), (5, 1, None)])
+def test_two_rank_update_with_mini_batches_and_epochs_equals_one_process(ranks, mini, epochs, micro):
+    # every mini-batch is cut from one permutation of the whole batch, so the ranks' parts of it are
+    # exactly the rows one process takes (a rank may hold none of a mini-batch: it steps with no weight)
+    (weights, metrics), (none, metrics1) = on_ranks(ranks, _train_batches_on_rank, [mini] * 2, [epochs] * 2,
+                                                    [micro] * 2)
+    engine = fresh(PoolGroup.single(POOL))
+    for step in range(2):
+        expected = engine.train_batch(proto_batch(step), ppo_loss(engine), mini_batch_size=mini, epochs=epochs,
+                                      micro_batch_size=micro)
+    reference = engine.get_weights()
+    assert none is None and engine.updates == 2 * epochs * -(-ROWS // mini)
+    assert max_diff(reference, load_model("builtin:tiny", seed=0)[0].state_dict()) > 1e-3
+    assert max_diff(weights, reference) <= 1e-5
+    for got in (metrics, metrics1):  # reduced over the ranks: every rank reports the whole mini-batches
+        assert got.keys() == expected.keys()
+        for k in expected:
+            assert got[k] == pytest.approx(expected[k], rel=1e-4, abs=1e-6), k
 
 
 def test_unsharded_rollout_runs_on_full_weights_and_reports_memory(ranks):
     ids = torch.tensor([[1, 20, 7, 11, 16], [1, 21, 8, 12, 16]])
     results = on_ranks(ranks, _unsharded_rollout, [ids, ids])
-    model, _ = single_process(steps=3, micro=ROWS, grad_clip=None, halves=True)
+    model = single_process(steps=3, micro=ROWS, grad_clip=None, halves=True).model
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
@@ -290,24 +329,22 @@ def test_ranks_with_different_micro_batch_counts_step_and_score_like_one_process
     parts = [[0, 1, 2, 3, 4], [5, 6, 7]]
     (weights, lp0), (_, lp1) = on_ranks(ranks, _uneven_step_and_forward, parts)
     assert (len(lp0), len(lp1)) == (5, 3)  # one output row per real row: the padding passes are dropped
-    model, optimizer = fresh()
+    engine = fresh()
     mbs = [rows(make_batch(7), list(range(ROWS)))]
-    norm = LossNorm.of([mb["response_mask"] for mb in mbs])
-    data_parallel_step(model, optimizer, mbs, lambda mb, nrm: pg_loss(model, mb, nrm), PoolGroup.single(POOL),
-                       norm=norm, grad_clip=1.0)
-    assert max_diff(weights, model.state_dict()) <= 1e-5
+    step_on(engine, mbs)
+    assert max_diff(weights, engine.get_weights()) <= 1e-5
     with torch.no_grad():
-        expected = pg_log_probs(model, mbs[0])
+        expected = pg_log_probs(engine.model, mbs[0])
     assert float((torch.cat([lp0, lp1]) - expected).abs().max()) <= 1e-5
 
 
 def test_a_model_built_on_rank_0_only_trains_like_one_process(ranks):
     (built, stepped, held), (_, _, held1) = on_ranks(ranks, _build_and_step)
-    model, optimizer = fresh()
-    assert max_diff(built, model.state_dict()) == 0.0
-    train_one(model, optimizer, PoolGroup.single(POOL), list(range(ROWS)))
-    assert max_diff(stepped, model.state_dict()) <= 1e-5
-    full = sum(p.numel() * 4 for p in model.parameters())
+    engine = fresh()
+    assert max_diff(built, engine.get_weights()) == 0.0
+    train_one(engine, list(range(ROWS)))
+    assert max_diff(stepped, engine.get_weights()) <= 1e-5
+    full = sum(p.numel() * 4 for p in engine.model.parameters())
     for rank_held in (held, held1):
         assert rank_held["params"] == pytest.approx(full / 2, rel=0.02)
 
@@ -340,20 +377,20 @@ def test_checkpoint_written_by_two_ranks_loads_in_one(ranks, tmp_path):
 
 
 def test_checkpoint_written_by_one_process_loads_in_two_ranks(ranks, tmp_path):
-    model, optimizer = single_process(steps=2, micro=ROWS, grad_clip=1.0, halves=False)
+    engine = single_process(steps=2, micro=ROWS, grad_clip=1.0, halves=False)
     path = tmp_path / "actor"
-    save_sharded(path, model, optimizer, PoolGroup.single(POOL), meta={"updates": 2})
+    save_sharded(path, engine.model, engine.optimizer, PoolGroup.single(POOL), meta={"updates": 2})
     (meta, loaded, stepped), _ = on_ranks(ranks, _load_and_step, [path, path], rank_rows(99))
     assert meta == {"updates": 2}
-    assert max_diff(loaded, model.state_dict()) == 0.0
-    train_one(model, optimizer, PoolGroup.single(POOL), list(range(ROWS)))
-    assert max_diff(stepped, model.state_dict()) <= 1e-5
+    assert max_diff(loaded, engine.get_weights()) == 0.0
+    train_one(engine, list(range(ROWS)))
+    assert max_diff(stepped, engine.get_weights()) <= 1e-5
 
 
 def test_export_from_sharded_and_whole_checkpoints_gives_the_trained_logits(ranks, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model, optimizer = single_process(steps=2, micro=ROWS, grad_clip=1.0, halves=False)
+    model = single_process(steps=2, micro=ROWS, grad_clip=1.0, halves=False).model
     graph = {"roles": {"actor": {"model": "builtin:tiny", "dtype": "float32"},
                        "ref": {"from": "actor", "frozen": True}}}
     # whole: the layout CheckpointStore writes today

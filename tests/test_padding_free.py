@@ -23,7 +23,8 @@ from operators.algos.functional import entropy_from_logits, logprobs_from_logits
 from operators.models import response_log_probs, response_values
 from operators.models.forward import pack_rows
 from operators.models.microbatch import response_lengths, token_budget_split
-from operators.roles import Actor, ActorConfig, Critic, LossNorm, ModelRoleConfig
+from operators.models.data_parallel import LossNorm
+from operators.roles import Actor, ActorConfig, Critic, ModelRoleConfig
 from operators.rollout import HFRolloutEngine
 from operators.rollout.base import SamplingParams, prompt_seeds, sample_seeds
 from operators.rollout.hf_engine import sample_next_token

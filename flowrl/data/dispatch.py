@@ -122,6 +122,9 @@ def _whole(batch: "DataProto", rank: int, world: int) -> "DataProto":
 #: the column a balanced split tags each row with, so the outputs can be put back in
 #: order; the worker carries it from a task's input to its output (see :func:`_tags`)
 ROW_INDEX = "_dispatch_row"
+#: the meta_info key of a balanced part: its rows' places in the task's batch and that batch's row
+#: count, so an update can cut the whole batch's mini-batches from its part
+TASK_ROWS = "task_rows"
 #: the column whose ones are a row's real tokens: what balanced dispatch evens out
 TOKEN_MASK = "attention_mask"
 #: a row's tag is ``rows of its task << _TASK_BITS | its index in the task``
@@ -159,6 +162,7 @@ def _balanced_split(keep_groups: bool) -> Callable[["DataProto", int, int], "Dat
         rows = balanced_rows(batch, world, keep_groups)[rank]
         part = batch[rows]
         part.non_tensor_batch[ROW_INDEX] = _tags(np.asarray(rows, dtype=np.int64), len(batch))
+        part.meta_info[TASK_ROWS] = (np.asarray(rows, dtype=np.int64), len(batch))
         return part
     return split
 
@@ -237,4 +241,4 @@ BALANCED_GROUPS = dispatch_mode(DispatchMode(
 DATA_PARALLEL = {"batch": "balanced", "row": "balanced", "group": "balanced_groups"}
 
 
-__all__ = ["BALANCED", "BALANCED_GROUPS", "DATA_PARALLEL", "ROW_INDEX", "TOKEN_MASK", "balanced_rows", "in_row_order", "real_tokens", "task_rows", "DISPATCH_MODES", "DispatchError", "DispatchMode", "dispatch_mode", "get_mode", "rank_rows"]
+__all__ = ["BALANCED", "BALANCED_GROUPS", "DATA_PARALLEL", "ROW_INDEX", "TASK_ROWS", "TOKEN_MASK", "balanced_rows", "in_row_order", "real_tokens", "task_rows", "DISPATCH_MODES", "DispatchError", "DispatchMode", "dispatch_mode", "get_mode", "rank_rows"]

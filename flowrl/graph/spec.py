@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 from pydantic import BaseModel, ConfigDict
 
 from flowrl.data.fields import Field
+from flowrl.data.metrics import metric_value
 
 if TYPE_CHECKING:  # torch-backed; imported where a batch is built, so declaring stays light
     from flowrl.data.proto import DataProto
@@ -187,7 +188,7 @@ class OperatorSpec:
         if problems:
             raise OperatorOutputError(f"operator {self.name!r} returned outputs that do not match its "
                                       f"declaration: {'; '.join(problems)}")
-        return out, {k: float(v) for k, v in metrics.items()}
+        return out, {k: metric_value(v) for k, v in metrics.items()}
 
 
 __all__ = ["SOURCE", "NoParams", "OperatorDeclarationError", "OperatorOutputError", "OperatorSpec", "Params", "SCOPES",

@@ -1,8 +1,9 @@
 """Step reports: what the driver learns from a finished step's task reports.
 
-Metrics are reduced over the ranks whose outputs the task's dispatch mode
-collects (every rank of a ``split`` task, weighted by its rows; rank 0 of an
-``all`` task, whose ranks repeat one computation); durations give the step's
+Metrics are reduced, each as it declares (:mod:`flowrl.data.metrics`: a plain
+number is a mean weighted by rows), over the tasks of a node and the ranks
+whose outputs the task's dispatch mode collects (every rank of a ``split``
+task; rank 0 of an ``all`` task, whose ranks repeat one computation); durations give the step's
 makespan, its lower bounds (critical path, busiest pool) and per-node timings.
 
 Example::
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowrl.data import DataProto
+from flowrl.data.metrics import Reduction
 from flowrl.runtime.plan import Plan, bounds_of, pool_work
 from flowrl.runtime.worker import Info
 
@@ -42,8 +44,7 @@ class StepResult:
 
 def step_metrics(plan: Plan, infos: list[Info], prefix: str, submitted_at: float) -> tuple[dict[str, float], float, float]:
     """``(metrics, makespan, lower bound)`` of one step from its task reports."""
-    metrics: dict[str, float] = {}
-    sums: dict[str, tuple[float, float]] = {}
+    reduction = Reduction()
     durations: dict[TaskKey, float] = {}
     timing: dict[str, float] = {}
     for info in infos:
@@ -51,14 +52,10 @@ def step_metrics(plan: Plan, infos: list[Info], prefix: str, submitted_at: float
         durations[key] = max(durations.get(key, 0.0), info.end - info.start)
         if info.rank not in plan.tasks[key].collected:
             continue  # a rank repeating rank 0's computation (dispatch "all")
-        w = float(max(info.rows, 1))
-        for name, v in info.metrics.items():
-            s, n = sums.get(name, (0.0, 0.0))
-            sums[name] = (s + w * v, n + w)
+        reduction.add(info.metrics, weight=float(max(info.rows, 1)))
     for key, d in durations.items():
         timing[key[0]] = timing.get(key[0], 0.0) + d
-    for name, (s, n) in sums.items():
-        metrics[name] = s / n
+    metrics = {name: float(v) for name, v in reduction.values().items()}
     for node, d in timing.items():
         metrics[f"timing/{node}"] = d
     start = min((i.start for i in infos), default=submitted_at)

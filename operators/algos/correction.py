@@ -45,6 +45,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from flowrl.data.metrics import maximum
 from operators.algos.functional import masked_mean, masked_sum
 
 SAFETY_BOUND = 20.0
@@ -72,9 +73,9 @@ def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     has_tokens = response_mask.sum(-1) > 0
     return {
         "rollout_corr/log_prob_abs_diff": float(masked_mean(log_ratio.abs(), response_mask)),
-        "rollout_corr/log_prob_diff_max": float(masked_max(log_ratio.abs(), response_mask)),
+        "rollout_corr/log_prob_diff_max": maximum(masked_max(log_ratio.abs(), response_mask)),
         # the largest weight π_train/π_rollout uncorrected importance sampling would apply
-        "rollout_corr/ratio_max": float(masked_max(safe.exp(), response_mask)),
+        "rollout_corr/ratio_max": maximum(masked_max(safe.exp(), response_mask)),
         "rollout_corr/kl": float(masked_mean(-log_ratio, response_mask)),
         "rollout_corr/k3_kl": float(masked_mean(safe.exp() - safe - 1, response_mask)),
         "rollout_corr/chi2_token": float(masked_mean(safe.exp().square(), response_mask) - 1.0),
@@ -126,8 +127,8 @@ def rollout_correction(
             metrics["rollout_corr/is_oob_fraction"] = float(masked_mean(
                 ((raw < is_lower) | (raw > is_upper)).float(), response_mask))
         metrics["rollout_corr/is_weight_mean"] = float(masked_mean(weights, response_mask))
-        metrics["rollout_corr/is_weight_max"] = float(masked_max(weights, response_mask))
-        metrics["rollout_corr/is_raw_weight_max"] = float(masked_max(raw, response_mask))
+        metrics["rollout_corr/is_weight_max"] = maximum(masked_max(weights, response_mask))
+        metrics["rollout_corr/is_raw_weight_max"] = maximum(masked_max(raw, response_mask))
     mask = response_mask
     if rs_level in ("token", "sequence"):
         upper = float(rs_threshold)
@@ -225,7 +226,7 @@ def divergence_rejection(log_ratio: torch.Tensor, response_mask: torch.Tensor, o
         rejected_rows = (~keep & valid).any(-1)
         prefix = f"rollout_corr/rs_{name}"
         metrics[f"{prefix}_mean"] = float(masked_mean(stat, response_mask))
-        metrics[f"{prefix}_max"] = float(masked_max(stat, response_mask))
+        metrics[f"{prefix}_max"] = maximum(masked_max(stat, response_mask))
         metrics[f"{prefix}_masked_fraction"] = float(masked_mean((~keep).float(), response_mask))
         metrics[f"{prefix}_seq_masked_fraction"] = float(rejected_rows[has_tokens].float().mean()) \
             if has_tokens.any() else 0.0

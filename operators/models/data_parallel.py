@@ -1,6 +1,6 @@
-"""One data-parallel optimizer step: every rank's share of a mini-batch, one global normaliser.
+"""Data-parallel passes: every rank's share of a mini-batch, one global normaliser.
 
-Each rank holds its rows of the mini-batch (:func:`flowrl.data.balance.balance_ranks`)
+Each rank holds its rows of the mini-batch (:func:`operators.models.schedule.update_schedule`)
 cut into micro-batches. The loss of a micro-batch is divided by the
 mini-batch's real token count over *all* ranks (:class:`LossNorm`, one
 all-reduce), so summing the gradients over micro-batches and ranks (FSDP2's
@@ -8,18 +8,16 @@ reduce-scatter with SUM, see :func:`operators.models.fsdp.shard_model`) gives
 exactly the gradient one process computes on the whole mini-batch, however
 ragged the responses are and however they are split.
 
-The loss function has the signature ``TrainableRole.fit`` uses,
-``loss_fn(micro_batch, norm) -> (loss, metrics)``: token-mean divides by
-``norm.tokens``, seq-mean modes by ``norm.seqs``.
-
-Forward-only operators use :func:`data_parallel_forward`: the same pass
-count on every rank, no gradients.
+The training engine (:class:`operators.models.engine.TrainEngine`) hands a
+loss function ``loss_fn(micro_batch, norm) -> (loss, metrics)`` this norm:
+token-mean divides by ``norm.tokens``, seq-mean modes by ``norm.seqs``.
+Forward-only passes use :func:`data_parallel_forward`: the same pass count on
+every rank, no gradients.
 
 Example (every rank of the pool runs the same call on its own rows)::
 
     norm = LossNorm.of([mb["response_mask"] for mb in micro_batches], group)
-    metrics = data_parallel_step(model, optimizer, micro_batches, loss_fn, group,
-                                 norm=norm, grad_clip=1.0)
+    log_probs = data_parallel_forward(micro_batches, forward, group)
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from operators.models.fsdp import Group, fsdp_units
-from operators.models.optim import clip_grad_norm
+from operators.models.fsdp import Group
 
 
 @dataclass(frozen=True)
@@ -84,47 +81,3 @@ def data_parallel_forward(micro_batches: Sequence[Any], forward: Callable[[Any],
             if i < len(micro_batches):
                 outputs.append(out)
     return outputs
-
-
-LossFn = Callable[[Any, LossNorm], "tuple[torch.Tensor, dict[str, Any]]"]
-
-
-def data_parallel_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                       micro_batches: Sequence[Any], loss_fn: LossFn, group: Group, *,
-                       norm: LossNorm, grad_clip: float | None,
-                       reduce_once: bool = False) -> dict[str, float]:
-    """Accumulate ``loss_fn`` over this rank's ``micro_batches``, reduce, clip, step.
-
-    Every rank runs as many forward/backward passes as the rank with the most
-    micro-batches (FSDP2's collectives must line up); a rank with fewer repeats
-    its last micro-batch with a zero loss weight, which adds nothing to the
-    gradient. Gradients are reduce-scattered after every pass, so a rank only
-    ever holds its shard of them (verl's FSDP workers do the same);
-    ``reduce_once=True`` reduces once, after the last pass: less traffic, but
-    full-size gradients are held between passes.
-    Returns this rank's metrics averaged over its real micro-batches, plus
-    ``grad_norm`` (global, before clipping).
-    """
-    passes = pass_count(micro_batches, group)
-    units = fsdp_units(model)
-    totals: dict[str, list[float]] = {}
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    with group.guard("update: forward/backward"):
-        for i in range(passes):
-            sync = not reduce_once or i == passes - 1
-            for unit in units:
-                unit.set_requires_gradient_sync(sync, recurse=False)
-            real = i < len(micro_batches)
-            loss, metrics = loss_fn(micro_batches[min(i, len(micro_batches) - 1)], norm)
-            (loss if real else loss * 0.0).backward()
-            if real:
-                for k, v in metrics.items():
-                    totals.setdefault(k, []).append(float(v.detach()) if torch.is_tensor(v) else float(v))
-    with group.guard("update: grad norm"):
-        grad_norm = clip_grad_norm(model.parameters(), grad_clip)
-    optimizer.step()
-    model.eval()
-    out = {k: sum(v) / len(v) for k, v in totals.items()}
-    out["grad_norm"] = float(grad_norm)
-    return out

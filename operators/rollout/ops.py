@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
+from flowrl.data.metrics import maximum
 from flowrl.graph import Params, operator
 from operators.rollout.base import SamplingParams
 
@@ -45,7 +46,7 @@ def generate(actor, batch, p: Generate):
     out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling, seeds=actor.sampling_seeds(batch))
     lengths = out["response_mask"].sum(-1).float()
     version = torch.full((len(lengths),), actor.version, dtype=torch.int64)
-    metrics = {"response_length/mean": lengths.mean(), "response_length/max": lengths.max(),
+    metrics = {"response_length/mean": lengths.mean(), "response_length/max": maximum(lengths.max()),
                **unshard_metrics(actor)}
     return (
         {**{k: out[k] for k in SEQUENCE_FIELDS}, "rollout_log_probs": out["rollout_log_probs"],
