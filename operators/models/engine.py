@@ -29,7 +29,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -219,6 +219,20 @@ class TrainEngine:
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full weights (another pool's :meth:`get_weights`)."""
         self.model.load_state_dict(weights)
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, full tensor)`` for every weight, one at a time, on every rank: what a colocated
+        rollout engine loads after an update. Sharded, each tensor is gathered when it is reached
+        (a collective: every rank iterates to the end), so no rank holds all the full weights at
+        once; tied weights come once, under their first name."""
+        seen: set[int] = set()
+        with self.group.guard("weights for the rollout engine"):
+            for name, tensor in self.model.state_dict(keep_vars=True).items():
+                if id(tensor) in seen:
+                    continue
+                seen.add(id(tensor))
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                yield name, full.detach()
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state on this rank (its shards, when sharded)."""
