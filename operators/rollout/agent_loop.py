@@ -370,12 +370,12 @@ class AgentLoop:
                         allow_none: bool = False) -> Any:
         """An environment's ``reset`` or ``step`` under the tool timeout; a failure is an error text, counted."""
         env = conv.env
-        outcome = await call_with_limits(call, self.config.tool_timeout_s, f"{type(env).__name__}.{method}", "env")
+        outcome = await call_with_limits(call, self.config.tool_timeout_s, f"{type(env).__name__}.{method}")
         if not isinstance(outcome, ToolCallError):
             expected = str if method == "reset" else EnvStep
             if isinstance(outcome, expected) or (allow_none and outcome is None):
                 return outcome
-            outcome = ToolCallError("bad_env_output", f"{type(env).__name__}.{method} returned a "
+            outcome = ToolCallError("bad_env_output", f"{f'{type(env).__name__}.{method}'!r} returned a "
                                                       f"{type(outcome).__name__}, not {expected.__name__}")
         log.warning("environment %s: %s", type(env).__name__, outcome.message)
         conv.traj.tool_errors[outcome.kind] += 1
