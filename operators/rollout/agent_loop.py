@@ -163,10 +163,6 @@ class AgentLoop:
         """Every request's trajectories, in request order (blocking)."""
         return run_rollouts(generator, [(self, r) for r in requests])
 
-    async def run_async(self, generator: Any, requests: Sequence[Request]) -> list[list[Trajectory]]:
-        """All requests concurrently; ``gather`` keeps their order."""
-        return list(await asyncio.gather(*(self.rollout(generator, r) for r in requests)))
-
     async def rollout(self, generator: Any, request: Request) -> list[Trajectory]:
         """One rollout: the main conversation, then any conversations its environment spawned."""
         env = self.environment(**dict(request.interaction_kwargs)) if self.environment else None
