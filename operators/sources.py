@@ -35,6 +35,7 @@ PROMPT_FIELDS = {
     "ground_truth": "object[B]",
     "extra_info": "object[B]",
     "reward_style": "object[B]",
+    "agent_name": "object[B]",
     "uid": "object[B]",
     "tokenizer": "meta",
 }
@@ -105,7 +106,8 @@ class PromptSource:
         return DataProto.from_dict(
             tensors={"prompts": b["input_ids"], "prompt_mask": b["attention_mask"]},
             non_tensors={"data_source": b["data_source"], "ground_truth": b["ground_truth"],
-                         "extra_info": b["extra_info"], "reward_style": b["reward_style"], "uid": uid},
+                         "extra_info": b["extra_info"], "reward_style": b["reward_style"],
+                         "agent_name": b["agent_name"], "uid": uid},
             meta_info={"tokenizer": self.tokenizer_spec},
         )
 

@@ -29,10 +29,7 @@ def ray_session():
 
 
 def pytest_collection_modifyitems(config, items):
-    slow_ok = os.environ.get("FLOWRL_SLOW") == "1"
     has_cuda = torch.cuda.is_available()
     for item in items:
-        if "slow" in item.keywords and not slow_ok:
-            item.add_marker(pytest.mark.skip(reason="slow: set FLOWRL_SLOW=1 to run"))
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none here"))

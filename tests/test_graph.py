@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import textwrap
 from pathlib import Path
 
@@ -333,10 +332,15 @@ def test_unknown_graph_reference():
 def test_overrides_apply_before_validation(tmp_path):
     g = load_graph(PPO_YAML, overrides={"trainer.steps": 7, "nodes.advantage.lam": 0.5})
     assert g.config.trainer.steps == 7 and g.nodes["advantage"].params.lam == 0.5
-    # the source file is untouched
+    # the source file is untouched, and so is what a later load without overrides reads
     assert ppo_dict()["trainer"]["steps"] == 3
-    data = copy.deepcopy(ppo_dict())
-    assert data == ppo_dict()
+    again = load_graph(PPO_YAML)
+    assert again.config.trainer.steps == 3 and again.nodes["advantage"].params.lam != 0.5
+    # a Python graph's module is imported once per process: overrides change a copy, never the module's graph
+    python_graph = Path(__file__).resolve().parents[1] / "graphs" / "ppo.py"
+    before = load_graph(str(python_graph)).config.trainer.steps
+    assert load_graph(str(python_graph), overrides={"trainer.steps": before + 5}).config.trainer.steps == before + 5
+    assert load_graph(str(python_graph)).config.trainer.steps == before
 
 
 def test_eager_call_leaves_the_callers_batch_unchanged():

@@ -11,10 +11,10 @@ import torch
 
 from operators.data.tool_tasks import tool_call_text
 from operators.models import load_tokenizer
-from operators.rollout.agent_loop import (
-    AgentConfig, AgentLoop, BatchingFront, Request, TurnRenderer, first_mismatch, rollout_metrics,
-    trajectory_tensors,
-)
+from operators.rollout.agent_loop import AgentLoop
+from operators.rollout.batching import BatchingFront
+from operators.rollout.conversation import AgentConfig, Request, rollout_metrics, trajectory_tensors
+from operators.rollout.turns import TurnRenderer, first_mismatch
 from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses, rollout_output
 from operators.rollout.envs import EnvStep, Environment, Interaction
 from operators.rollout.tools import AddTool, BaseTool, FunctionTool, ToolResult, build_tools

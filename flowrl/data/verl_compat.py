@@ -197,13 +197,6 @@ class VerlDataProtoAPI:
         """A readable summary of columns and meta types (verl's name for :func:`repr`)."""
         return repr(self)
 
-    def print_size(self, prefix: str = "") -> None:
-        """Print the tensor and non-tensor sizes in GiB (verl's debugging helper)."""
-        tensors = 0 if self.batch is None else sum(t.numel() * t.element_size() for t in self.batch.values(True, True))
-        arrays = sum(a.nbytes for a in self.non_tensor_batch.values())
-        message = f"Size of tensordict: {tensors / 1024**3} GB, size of non_tensor_batch: {arrays / 1024**3} GB"
-        print(f"{prefix}, {message}" if prefix else message)
-
     def is_padding_enabled(self) -> bool:
         """Whether :meth:`chunk` may pad (``auto_padding=True`` at build time, or DataProtoConfig)."""
         return bool(self.meta_info.get(AUTO_PADDING_KEY, False)) or DataProtoConfig.auto_padding

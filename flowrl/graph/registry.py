@@ -77,11 +77,30 @@ class RoleKind:
     doc: str = ""
 
 
-def load_object(path: str) -> Any:
-    """Import ``pkg.mod:attr`` or ``path/to/file.py:attr`` and return the attribute."""
-    if ":" not in path:
-        raise ImportPathError(f"{path!r} is not an import path; write it as 'package.module:name'")
-    mod_name, _, attr = path.rpartition(":")
+def load_object(path: str, what: str = "name") -> Any:
+    """Import ``pkg.mod:attr``, ``path/to/file.py:attr`` or ``pkg.mod.attr`` and return the attribute.
+
+    The one loader for everything a graph names by import path: operators,
+    reward functions, tools, environments, agent loops. ``attr`` may be dotted
+    (``mod:Class.method``); ``what`` names the kind of object in the message
+    when ``path`` has no module part. Raises :class:`ImportPathError`.
+
+    Example::
+
+        >>> load_object("operators.rewards.rule:exact_match_score").__name__
+        'exact_match_score'
+        >>> load_object("operators.rewards.rule.exact_match_score").__name__
+        'exact_match_score'
+    """
+    if ":" in path:
+        mod_name, _, attr = path.rpartition(":")
+    elif "." in path and not path.endswith(".py"):
+        mod_name, _, attr = path.rpartition(".")  # verl's class_name form
+    else:
+        mod_name, attr = "", ""
+    if not mod_name or not attr:
+        raise ImportPathError(f"{path!r} is not an import path: expected 'package.module:{what}' or "
+                              f"'path/to/file.py:{what}'")
     module = load_module(mod_name)
     try:
         obj: Any = module
@@ -93,11 +112,11 @@ def load_object(path: str) -> Any:
 
 
 def load_module(name: str) -> Any:
-    """Import a module by dotted name or by file path (``graphs/ppo.py``)."""
-    if name.endswith(".py") or "/" in name:
-        path = Path(name)
+    """Import a module by dotted name or by file path (``graphs/ppo.py``); a file is run once per process."""
+    if name.endswith(".py") or "/" in name or "\\" in name:
+        path = Path(name).expanduser()
         if not path.is_file():
-            raise ImportPathError(f"no such Python file: {path}")
+            raise ImportPathError(f"Python file {str(path)!r} does not exist (resolved: {path.resolve()})")
         mod_name = f"_flowrl_user_{abs(hash(str(path.resolve())))}"
         if mod_name in sys.modules:
             return sys.modules[mod_name]

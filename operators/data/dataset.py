@@ -20,6 +20,7 @@ A batch (from :meth:`PromptDataset.collate`) is a plain dict:
 ``reward_style``   ``object[B]``                ``reward_model.get("style", "rule")``
 ``tools_kwargs``   ``object[B]``                ``extra_info.get("tools_kwargs", {})``
 ``interaction_kwargs`` ``object[B]``            ``extra_info.get("interaction_kwargs", {})``
+``agent_name``     ``object[B]``                the row's ``agent_name`` (its agent loop), or ``None``
 ``index``          ``int64[B]`` (numpy)         the row's position in the dataset
 =================  ==========================  ====================================
 
@@ -279,6 +280,7 @@ class PromptDataset:
                                           for row, i in zip(rows, indices)]),
             "tools_kwargs": object_array([e.get("tools_kwargs") or {} for e in extra]),
             "interaction_kwargs": object_array([e.get("interaction_kwargs") or {} for e in extra]),
+            "agent_name": object_array([row.get("agent_name") for row in rows]),
             "index": np.asarray([self.row_ids[i] for i in indices], dtype=np.int64),
         }
 

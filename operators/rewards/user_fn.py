@@ -3,6 +3,8 @@
 The function has verl's signature
 ``compute_score(data_source, solution_str, ground_truth, extra_info) -> float | dict``;
 a dict must carry the score under ``"score"`` (its other keys become metrics).
+Import paths are resolved by flowrl's one loader
+(:func:`flowrl.graph.registry.load_object`), as operators and tools are.
 
 Example::
 
@@ -15,11 +17,9 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any, Callable
+
+from flowrl.graph.registry import ImportPathError, load_object
 
 
 class RewardFnError(ValueError):
@@ -28,34 +28,13 @@ class RewardFnError(ValueError):
 
 def load_reward_fn(spec: str) -> Callable[..., Any]:
     """Import ``module.path:name`` or ``file.py:name`` and return the callable it names."""
-    module_part, sep, name = spec.rpartition(":")
-    if not sep or not module_part or not name:
-        raise RewardFnError(
-            f"reward function {spec!r}: expected 'package.module:function' or 'path/to/file.py:function'"
-        )
-    if module_part.endswith(".py") or "/" in module_part or "\\" in module_part:
-        path = Path(module_part).expanduser()
-        if not path.is_file():
-            raise RewardFnError(f"reward function {spec!r}: file {path.resolve()} does not exist")
-        module_name = f"flowrl_user_reward_{abs(hash(str(path.resolve())))}"
-        file_spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(file_spec)
-        sys.modules[module_name] = module
-        try:
-            file_spec.loader.exec_module(module)
-        except Exception as err:
-            del sys.modules[module_name]
-            raise RewardFnError(f"reward function {spec!r}: importing {path} failed: {err!r}") from err
-    else:
-        try:
-            module = importlib.import_module(module_part)
-        except ImportError as err:
-            raise RewardFnError(f"reward function {spec!r}: cannot import module {module_part!r}: {err}") from err
-    fn = getattr(module, name, None)
-    if fn is None:
-        raise RewardFnError(f"reward function {spec!r}: {module_part} has no attribute {name!r}")
+    try:
+        fn = load_object(spec, what="function")
+    except (ImportPathError, SyntaxError) as err:
+        raise RewardFnError(f"reward function {spec!r}: {err}") from err
     if not callable(fn):
-        raise RewardFnError(f"reward function {spec!r}: {name!r} is a {type(fn).__name__}, not a function")
+        raise RewardFnError(f"reward function {spec!r}: {spec.rpartition(':')[2]!r} is a {type(fn).__name__}, "
+                            "not a function")
     return fn
 
 

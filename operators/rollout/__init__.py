@@ -2,10 +2,12 @@
 
 ``HFRolloutEngine`` (transformers, CPU or GPU) runs anywhere; ``SGLangRolloutEngine``
 needs a GPU and sglang, which it imports only when constructed. The agent loop
-(``agent_loop``: multi-turn conversations with tools and environments, served
-by either engine) is the ``rollout.multi_turn`` operator (``agent_ops``); tools
-live in ``tools``, tool-call parsers in ``tool_parsers``, environments and
-simulated users in ``envs``.
+(``agent_loop``: one handler per state of a conversation, loops registered by
+name; its data in ``conversation``, rendered turns in ``turns``, served by
+either engine through ``batching``) is the ``rollout.multi_turn`` operator
+(``agent_ops``); tools live in ``tools`` and are called by ``tool_calls``
+(timeouts, retries, capped output), tool-call parsers in ``tool_parsers``,
+environments and simulated users in ``envs``.
 
 Example::
 
@@ -22,11 +24,12 @@ from operators.rollout.base import (RolloutEngine, SamplingParams, pad_responses
 from operators.rollout.hf_engine import HFRolloutEngine, filter_top_k_top_p, sample_next_token
 from operators.rollout.sglang_engine import SGLangRolloutEngine  # imports sglang only when constructed
 from operators.rollout.ops import generate  # the rollout.generate operator
-from operators.rollout.agent_loop import AgentConfig, AgentLoop, Request, Trajectory
+from operators.rollout.agent_loop import AgentLoop, register_agent_loop
+from operators.rollout.conversation import AgentConfig, Request, Trajectory
 from operators.rollout.agent_ops import multi_turn, agent_reward  # rollout.multi_turn, reward.agent
 
 __all__ = [
     "RolloutEngine", "SamplingParams", "pad_responses", "prompt_seeds", "rollout_output", "sample_seeds",
     "HFRolloutEngine", "filter_top_k_top_p", "sample_next_token", "SGLangRolloutEngine", "generate",
-    "AgentConfig", "AgentLoop", "Request", "Trajectory", "multi_turn", "agent_reward",
+    "AgentConfig", "AgentLoop", "register_agent_loop", "Request", "Trajectory", "multi_turn", "agent_reward",
 ]

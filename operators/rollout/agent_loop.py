@@ -1,56 +1,60 @@
 """The agent loop: multi-turn rollouts with tools, environments and simulated users, token in / token out.
 
-Each request is a small state machine, run concurrently with the others
-(``asyncio``)::
+Each conversation is a small state machine over one explicit record
+(:class:`Conversation`), run concurrently with the others (``asyncio``)::
 
     PENDING → GENERATING → (TOOL_CALLING | INTERACTING → GENERATING)* → COMPLETED | FAILED
 
-and ends with a finish reason: ``stop`` (the model answered and nothing asked
-for more), ``length`` (the response budget or the context ran out, or a turn
-hit its token limit), ``max_turns`` (``max_assistant_turns`` or
+:class:`AgentLoop` has one handler per state — :meth:`~AgentLoop.handle_pending`
+(tool instances, the environment's first turn), :meth:`~AgentLoop.handle_generating`
+(one assistant turn), :meth:`~AgentLoop.handle_tool_calling`,
+:meth:`~AgentLoop.handle_interacting` (an environment or simulated user) — each
+returning the next state, and :meth:`~AgentLoop.handle_done` once it ends.
+Another loop overrides one handler and registers under a name::
+
+    @register_agent_loop("no_tools_after_two")
+    class Impatient(AgentLoop):
+        async def handle_tool_calling(self, conv):
+            if conv.traj.assistant_turns >= 2:
+                return self.end(conv, STOP)
+            return await super().handle_tool_calling(conv)
+
+and a sample picks it with the dataset's ``agent_name`` column (verl's name;
+``rollout.multi_turn``'s ``agent_loop`` is the default, ``tool_agent``).
+
+A conversation ends with a finish reason: ``stop`` (the model answered and
+nothing asked for more), ``length`` (the response budget or the context ran
+out, or a turn hit its token limit), ``max_turns`` (``max_assistant_turns`` or
 ``max_user_turns`` reached while the conversation wanted to go on) or
-``tool_error`` (``max_tool_errors`` failed calls).
+``tool_error`` (``max_tool_errors`` failed calls). What the model or a tool gets
+wrong (a malformed call, a tool that raises, times out or answers with the
+wrong type, an environment likewise) is an error turn the model reads and a
+counted ``multi_turn/tool_errors/<kind>``, never an exception.
 
-**Token in, token out.** The ids the model sampled are kept exactly as sampled;
-only the turns that come from outside (tool responses, user turns) are
-rendered with the chat template (:class:`TurnRenderer`) and appended. The
-response is one id list with a mask: 1 on sampled tokens, 0 on everything the
-template and the tools added; log-probs exist only where the mask is 1, and a
-cut at the response budget cuts ids, mask and log-probs together.
-:func:`first_mismatch` compares the ids built this way with a re-tokenisation
-of the whole conversation and reports the first differing position
-(``strict``, ``ignore_strippable``: differences that decode to whitespace only
-are ignored, or ``off``).
-
-**Engines.** The loop asks a *generator* for one turn at a time
-(``await generator.generate(context_ids, max_new_tokens)``).
-:class:`BatchingFront` serves it from any engine's batch ``generate`` (the
-transformers engine on CPU): requests waiting for a turn are gathered into one
-batched call, so a batch of conversations costs one forward loop per round of
-turns, not one per conversation. Engines that batch by themselves
-(``serves_requests = True``, sglang) are called per request through their
-``generate_one`` (sglang's ``async_generate``) by :class:`RequestGenerator`.
+The response is one id list with a mask: 1 on sampled tokens, 0 on everything
+the template and the tools added (:mod:`operators.rollout.turns`); log-probs
+exist only where the mask is 1, and a cut at the response budget cuts ids,
+mask and log-probs together. Turns are served by a generator from
+:mod:`operators.rollout.batching`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import difflib
-import enum
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Sequence
 
-import torch
-from pydantic import Field
-
-from flowrl.graph import Params
-from operators.data.dataset import left_pad, position_ids_from_mask
-from operators.rollout.base import RolloutEngine, SamplingParams, derive_seed
-from operators.rollout.envs import Environment
-from operators.rollout.tool_parsers import ToolCall, ToolCallError, ToolParser, get_parser
-from operators.rollout.tools import BaseTool
+from flowrl.graph.registry import ImportPathError, load_object
+from operators.rollout.conversation import (
+    DONE_STATES, LENGTH, MAX_TURNS, STOP, TOOL_ERROR, AgentConfig, AgentLoopError, Generation, Request,
+    RequestState, Trajectory, turn_seed,
+)
+from operators.rollout.envs import EnvStep, Environment
+from operators.rollout.tool_calls import call_with_limits, execute_tool
+from operators.rollout.tool_parsers import ToolCall, ToolCallError, ToolParser, get_parser, parse_safely
+from operators.rollout.tools import BaseTool, instance_id_of, truncate_text
+from operators.rollout.turns import TurnRenderer, first_mismatch
 
 # type hints only: declaring operators (``flowrl validate``) does not import transformers
 if TYPE_CHECKING:
@@ -58,322 +62,86 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STOP, LENGTH, MAX_TURNS, TOOL_ERROR = "stop", "length", "max_turns", "tool_error"
-FINISH_REASONS = (STOP, LENGTH, MAX_TURNS, TOOL_ERROR)
-
-
-class RequestState(enum.Enum):
-    """Where a request is in its conversation."""
-
-    PENDING = "pending"
-    GENERATING = "generating"
-    TOOL_CALLING = "tool_calling"
-    INTERACTING = "interacting"
-    COMPLETED = "completed"
-    FAILED = "failed"
-
-
-class AgentConfig(Params):
-    """The loop's limits. Lengths are in tokens except ``max_tool_response_length`` (characters, as in verl).
-
-    The ``rollout.multi_turn`` operator's parameters extend it.
-    """
-
-    max_response_length: int = Field(64, ge=1, description="response tokens in all: sampled + tool + user")
-    max_tokens_per_turn: int | None = Field(None, ge=1, description="one assistant turn's limit")
-    max_model_len: int | None = Field(None, ge=1, description="prompt + response, checked before each turn")
-    max_assistant_turns: int = Field(4, ge=1)
-    max_user_turns: int = Field(1, ge=0, description="environment / simulated-user turns")
-    max_parallel_calls: int = Field(1, ge=1, description="calls executed per assistant turn")
-    max_tool_response_length: int = Field(256, ge=1, description="characters of a tool response kept")
-    tool_response_truncate_side: Literal["left", "right", "middle"] = "right"
-    tool_timeout_s: float = Field(10.0, gt=0)
-    max_tool_errors: int | None = Field(None, ge=1, description="failed calls that end the conversation")
-    tokenization_check: Literal["strict", "ignore_strippable", "off"] = "strict"
-
 
 @dataclass
-class Generation:
-    """One assistant turn: the sampled ids (stop token last when it stopped), their log-probs, why it ended."""
+class Conversation:
+    """Everything one conversation's handlers read and write (verl's ``AgentData``).
 
-    ids: list[int]
-    log_probs: list[float]
-    finish_reason: str
-
-
-@dataclass
-class Request:
-    """A conversation to run: the prompt's ids and the sample's ``tools_kwargs`` / ``interaction_kwargs``.
-
-    ``seed`` keys the sampling of every turn (:func:`turn_seed`), so the
-    conversation samples the same tokens whatever other conversations share
-    its rounds; ``None`` leaves the engine's own generator to it.
+    ``traj`` is what it produces; the rest is its working state. ``extra`` is
+    free for a loop of one's own.
     """
 
-    prompt_ids: list[int]
-    tools_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    interaction_kwargs: Mapping[str, Any] = field(default_factory=dict)
+    request: Request
+    generator: Any
+    traj: Trajectory
     seed: int | None = None
-
-
-@dataclass
-class Trajectory:
-    """A finished conversation: response ids, mask and log-probs, messages, counts and rewards."""
-
-    prompt_ids: list[int]
-    response_ids: list[int] = field(default_factory=list)
-    response_mask: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    state: RequestState = RequestState.PENDING
-    finish_reason: str = ""
-    assistant_turns: int = 0
-    user_turns: int = 0
-    tool_calls: int = 0
-    tool_successes: int = 0
-    tool_errors: Counter = field(default_factory=Counter)
-    #: the ``metrics`` of each successful call, as ``(tool name, metrics)``
-    tool_metrics: list[tuple[str, dict]] = field(default_factory=list)
-    tool_reward: float = 0.0
-    env_reward: float = 0.0
-    #: first position where the incremental ids and a re-tokenisation differ (None: they agree or unchecked)
-    tokenization_mismatch: int | None = None
-    #: for a spawned trajectory: the messages of the rollout's main conversation (whose outcome is scored)
-    outcome_messages: list[dict[str, Any]] | None = None
+    env: Environment | None = None
+    #: conversations the environment asked for (lists of messages), run after this one
+    spawned: list[list[dict[str, Any]]] = field(default_factory=list)
+    #: tool name → this conversation's instance id
+    instances: dict[str, Any] = field(default_factory=dict)
+    #: the last assistant turn: as sampled, and its text
+    turn: Generation | None = None
+    text: str = ""
+    #: the calls and call errors parsed from the last assistant turn
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[ToolCallError] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def reward(self) -> float:
-        """Tool and environment rewards: the row's ``tool_reward`` (``reward.agent`` adds the outcome score)."""
-        return self.tool_reward + self.env_reward
-
-    def final_answer(self) -> str:
-        """The last assistant message of the conversation that is scored."""
-        for message in reversed(self.outcome_messages or self.messages):
-            if message["role"] == "assistant":
-                return message["content"]
-        return ""
+    def state(self) -> RequestState:
+        return self.traj.state
 
 
-class AgentLoopError(RuntimeError):
-    """The loop was set up wrong (not a model's mistake: those become tool-error turns)."""
+AGENT_LOOPS: dict[str, type["AgentLoop"]] = {}
+DEFAULT_AGENT_LOOP = "tool_agent"
 
 
-# --- rendering new turns -----------------------------------------------------------------------
+def register_agent_loop(name: str) -> Callable[[type["AgentLoop"]], type["AgentLoop"]]:
+    """Class decorator: make an :class:`AgentLoop` subclass selectable as ``agent_name: <name>``."""
+    def wrap(cls: type[AgentLoop]) -> type[AgentLoop]:
+        old = AGENT_LOOPS.get(name)
+        if old is not None and (old.__module__, old.__qualname__) != (cls.__module__, cls.__qualname__):
+            raise ValueError(f"agent loop {name!r} is registered twice: {old.__module__}.{old.__qualname__} "
+                             f"and {cls.__module__}.{cls.__qualname__}; pick another name")
+        AGENT_LOOPS[name] = cls
+        return cls
+    return wrap
 
 
-class TurnRenderer:
-    """Token ids of turns appended to a conversation, rendered by the chat template alone.
-
-    The ids of new messages are those the template adds when they follow a
-    fixed base conversation, with the generation prompt for the next assistant
-    turn: ``render(base + new, gen) - render(base)``. Nothing already in the
-    conversation is re-tokenised.
-    """
-
-    BASE = [{"role": "user", "content": "0"}]
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: Sequence[Mapping[str, Any]] | None = None):
-        self.tokenizer = tokenizer
-        self.tools = list(tools) if tools else None
-        self._base = self.encode(self.BASE, generation_prompt=False)
-
-    def encode(self, messages: Sequence[Mapping[str, Any]], generation_prompt: bool) -> list[int]:
-        """The whole conversation through the chat template, as ids."""
-        kwargs = {"tools": self.tools} if self.tools else {}
-        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt,
-                                                  tokenize=False, **kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def new_turns(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Ids of ``messages`` appended after an assistant turn, ending with the next generation prompt."""
-        ids = self.encode(self.BASE + list(messages), generation_prompt=True)
-        if ids[:len(self._base)] != self._base:
-            raise AgentLoopError("the chat template renders earlier messages differently once more are "
-                                 "appended, so new turns cannot be rendered alone; use a template whose "
-                                 "rendering of a conversation is a prefix of the rendering of its continuation")
-        return ids[len(self._base):]
-
-    def assistant_text(self, ids: Sequence[int], stop_ids: set[int]) -> str:
-        """The text of a sampled turn, its stop token left out (the template writes it)."""
-        ids = list(ids)
-        if ids and ids[-1] in stop_ids:
-            ids = ids[:-1]
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
-
-    def response_as_whole(self, messages: Sequence[Mapping[str, Any]], ends_with_prompt: bool) -> list[int]:
-        """The response part of the conversation re-tokenised in one piece: what :func:`first_mismatch` checks."""
-        head = self.encode(self.BASE, generation_prompt=True)
-        whole = self.encode(self.BASE + list(messages), generation_prompt=ends_with_prompt)
-        return whole[len(head):] if whole[:len(head)] == head else whole
+def get_agent_loop(name: str) -> type["AgentLoop"]:
+    """The loop class registered as ``name``, or named by import path (``pkg.mod:MyLoop``)."""
+    if name in AGENT_LOOPS:
+        return AGENT_LOOPS[name]
+    if ":" in name:
+        try:
+            cls = load_object(name, what="AgentLoop")
+        except (ImportPathError, SyntaxError) as err:
+            raise AgentLoopError(f"agent loop {name!r}: {err}") from err
+        if isinstance(cls, type) and issubclass(cls, AgentLoop):
+            return cls
+        raise AgentLoopError(f"agent loop {name!r} is not an AgentLoop subclass")
+    raise AgentLoopError(f"unknown agent loop {name!r}; registered: {', '.join(sorted(AGENT_LOOPS))}. Register one "
+                         "with operators.rollout.agent_loop.register_agent_loop, or give 'pkg.module:Class'")
 
 
-def first_mismatch(incremental: Sequence[int], retokenized: Sequence[int], mode: str,
-                   tokenizer: PreTrainedTokenizerBase | None = None) -> int | None:
-    """The first position where ``incremental`` and ``retokenized`` differ, or ``None``.
-
-    ``strict``: any difference counts. ``ignore_strippable``: a differing span
-    whose two sides both decode to whitespace only is ignored (needs
-    ``tokenizer``). ``off``: always ``None``.
-
-    Example::
-
-        >>> first_mismatch([5, 6, 7, 8], [5, 6, 9, 8], "strict")
-        2
-        >>> first_mismatch([5, 6], [5, 6], "strict") is None
-        True
-    """
-    if mode == "off":
-        return None
-    if mode not in ("strict", "ignore_strippable"):
-        raise ValueError(f"tokenization_check must be 'strict', 'ignore_strippable' or 'off', got {mode!r}")
-    incremental, retokenized = list(incremental), list(retokenized)
-    if incremental == retokenized:
-        return None
-    matcher = difflib.SequenceMatcher(a=incremental, b=retokenized, autojunk=False)
-    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            continue
-        if mode == "ignore_strippable" and tokenizer is not None:
-            left = tokenizer.decode(incremental[i1:i2], skip_special_tokens=False)
-            right = tokenizer.decode(retokenized[j1:j2], skip_special_tokens=False)
-            if not left.strip() and not right.strip():
-                continue
-        return i1
-    return None
-
-
-def truncate_text(text: str, limit: int, side: str) -> str:
-    """``text`` cut to ``limit`` characters: keep its start (``right``), its end (``left``) or both ends.
-
-    Example::
-
-        >>> truncate_text("0123456789", 6, "right"), truncate_text("0123456789", 6, "left")
-        ('012345...', '...456789')
-    """
-    if len(text) <= limit:
-        return text
-    if side == "right":
-        return text[:limit] + "..."
-    if side == "left":
-        return "..." + text[-limit:]
-    half = limit // 2
-    return text[:half] + "..." + text[len(text) - (limit - half):]
-
-
-# --- generators: one turn of one request ---------------------------------------------------------
-
-
-def turn_seed(seed: int | None, *path: int) -> int | None:
-    """The seed of a conversation (``path = (k,)``: the rollout's k-th) or of its turn ``(k, turn)``."""
-    return None if seed is None else derive_seed(seed, *path)
-
-
-def _finish(ids: list[int], log_probs: list[float], budget: int, stop_ids: set[int]) -> Generation:
-    """Cut a sampled turn at its first stop token or at ``budget``, and say which ended it."""
-    for i, token in enumerate(ids[:budget]):
-        if token in stop_ids:
-            return Generation(ids[:i + 1], log_probs[:i + 1], STOP)
-    return Generation(ids[:budget], log_probs[:budget], LENGTH)
-
-
-class BatchingFront:
-    """Serves single turns from an engine's batch ``generate``: waiting requests share one call.
-
-    A round is launched once every live conversation is waiting for a turn (or
-    ``max_wait_s`` after the first one asked, so a slow tool delays no one). The
-    batched call runs in a thread, so tools keep running meanwhile. Rows are
-    left-padded prompts of different lengths; each row is cut to its own token
-    budget afterwards.
-    """
-
-    def __init__(self, engine: RolloutEngine, params: SamplingParams, stop_token_ids: set[int],
-                 pad_token_id: int, max_wait_s: float = 0.02):
-        self.engine, self.params = engine, params
-        self.stop_ids, self.pad_token_id = set(stop_token_ids), pad_token_id
-        self.max_wait_s = max_wait_s
-        self.live = 0
-        self.rounds = 0
-        self._queue: list[tuple[list[int], int, int | None, asyncio.Future]] = []
-        self._arrived: asyncio.Event | None = None
-        self._runner: asyncio.Task | None = None
-
-    async def generate(self, context_ids: list[int], max_new_tokens: int, seed: int | None = None) -> Generation:
-        loop = asyncio.get_running_loop()
-        if self._arrived is None:
-            self._arrived = asyncio.Event()
-        future: asyncio.Future = loop.create_future()
-        self._queue.append((list(context_ids), max_new_tokens, seed, future))
-        self._arrived.set()
-        if self._runner is None or self._runner.done():
-            self._runner = asyncio.ensure_future(self._run())
-        return await future
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while self._queue:
-            deadline = loop.time() + self.max_wait_s
-            while len(self._queue) < self.live and loop.time() < deadline:
-                self._arrived.clear()
-                try:
-                    await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
-                except asyncio.TimeoutError:
-                    break
-            batch, self._queue = self._queue, []
-            try:
-                results = await asyncio.to_thread(self._generate, [request[:3] for request in batch])
-            except Exception as err:  # the engine failed: every waiting request learns why
-                for *_, future in batch:
-                    future.set_exception(err)
-                continue
-            for (*_, future), result in zip(batch, results):
-                future.set_result(result)
-
-    def _generate(self, batch: list[tuple[list[int], int, int | None]]) -> list[Generation]:
-        self.rounds += 1
-        input_ids, attention_mask = left_pad([ids for ids, _, _ in batch], self.pad_token_id)
-        params = self.params.model_copy(update={"n": 1, "max_new_tokens": max(n for _, n, _ in batch)})
-        seeds = [seed for _, _, seed in batch]
-        keyed = {} if None in seeds else {"seeds": torch.tensor(seeds, dtype=torch.int64)}
-        out = self.engine.generate(input_ids, attention_mask, params, **keyed)
-        results = []
-        for row, (_, budget, _) in enumerate(batch):
-            length = int(out["response_mask"][row].sum())
-            results.append(_finish(out["responses"][row, :length].tolist(),
-                                   out["rollout_log_probs"][row, :length].tolist(), budget, self.stop_ids))
-        return results
-
-
-class RequestGenerator:
-    """One engine call per turn (``generate_one``): for engines that batch requests themselves (sglang)."""
-
-    def __init__(self, engine: RolloutEngine, params: SamplingParams, stop_token_ids: set[int]):
-        self.engine, self.params, self.stop_ids = engine, params, set(stop_token_ids)
-        self.live = 0
-
-    async def generate(self, context_ids: list[int], max_new_tokens: int, seed: int | None = None) -> Generation:
-        out = await self.engine.generate_one(list(context_ids), self.params, max_new_tokens=max_new_tokens,
-                                             **({} if seed is None else {"seed": seed}))
-        return _finish(list(out["response_ids"]), list(out["log_probs"]), max_new_tokens, self.stop_ids)
-
-
-def make_generator(engine: RolloutEngine, params: SamplingParams, stop_token_ids: set[int],
-                   pad_token_id: int) -> BatchingFront | RequestGenerator:
-    """The right front for ``engine``: per request when it batches by itself, else :class:`BatchingFront`."""
-    if getattr(engine, "serves_requests", False):
-        return RequestGenerator(engine, params, stop_token_ids)
-    return BatchingFront(engine, params, stop_token_ids, pad_token_id)
-
-
-# --- the loop ------------------------------------------------------------------------------------
-
-
+@register_agent_loop(DEFAULT_AGENT_LOOP)
 class AgentLoop:
     """Runs conversations: generation turns from a generator, tool calls, environment turns.
 
     ``tools`` by name; ``environment`` a class made per conversation from the
     sample's ``interaction_kwargs`` (an :class:`~operators.rollout.envs.Environment`
     or :class:`~operators.rollout.envs.Interaction`); ``stop_token_ids`` end a turn.
+    Subclass it and override one ``handle_*`` method to change one state.
     """
+
+    #: the method that handles each live state
+    HANDLERS: Mapping[RequestState, str] = {
+        RequestState.PENDING: "handle_pending",
+        RequestState.GENERATING: "handle_generating",
+        RequestState.TOOL_CALLING: "handle_tool_calling",
+        RequestState.INTERACTING: "handle_interacting",
+    }
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, config: AgentConfig | None = None, *,
                  tools: Mapping[str, BaseTool] | None = None, parser: str | ToolParser = "hermes",
@@ -393,29 +161,26 @@ class AgentLoop:
 
     def run(self, generator: Any, requests: Sequence[Request]) -> list[list[Trajectory]]:
         """Every request's trajectories, in request order (blocking)."""
-        return asyncio.run(self.run_async(generator, requests))
-
-    async def run_async(self, generator: Any, requests: Sequence[Request]) -> list[list[Trajectory]]:
-        """All requests concurrently; ``gather`` keeps their order."""
-        return list(await asyncio.gather(*(self.rollout(generator, r) for r in requests)))
+        return run_rollouts(generator, [(self, r) for r in requests])
 
     async def rollout(self, generator: Any, request: Request) -> list[Trajectory]:
         """One rollout: the main conversation, then any conversations its environment spawned."""
         env = self.environment(**dict(request.interaction_kwargs)) if self.environment else None
-        spawned: list[list[dict[str, Any]]] = []
+        main = Conversation(request, generator, Trajectory(list(request.prompt_ids)), turn_seed(request.seed, 0),
+                            env)
         try:
-            main = await self.conversation(generator, request.prompt_ids, request, env, spawned,
-                                           turn_seed(request.seed, 0))
+            await self.conversation(main)
         finally:
             if env is not None:
                 await env.close()
         children = await asyncio.gather(*(
-            self.conversation(generator, self.renderer.encode(messages, generation_prompt=True), request,
-                              None, [], turn_seed(request.seed, k))
-            for k, messages in enumerate(spawned, start=1)))
+            self.conversation(Conversation(
+                request, generator, Trajectory(self.renderer.encode(messages, generation_prompt=True)),
+                turn_seed(request.seed, k)))
+            for k, messages in enumerate(main.spawned, start=1)))
         for child in children:
-            child.outcome_messages = main.messages
-        trajectories = [main, *children]
+            child.outcome_messages = main.traj.messages
+        trajectories = [main.traj, *children]
         expected = env.trajectories if env is not None else 1
         if len(trajectories) != expected:
             raise AgentLoopError(
@@ -424,76 +189,110 @@ class AgentLoop:
                 "its 'trajectories'")
         return trajectories
 
-    async def conversation(self, generator: Any, prompt_ids: Sequence[int], request: Request,
-                           env: Environment | None, spawned: list, seed: int | None = None) -> Trajectory:
-        """Run one conversation to its end; the model's mistakes end up in the trajectory, never raised."""
-        cfg = self.config
-        traj = Trajectory(prompt_ids=list(prompt_ids))
-        instances = {}
+    async def conversation(self, conv: Conversation) -> Trajectory:
+        """Run one conversation's handlers until it is done; the model's mistakes end up in the trajectory."""
+        conv.generator.live += 1
+        try:
+            while conv.state not in DONE_STATES:
+                conv.traj.state = await getattr(self, self.HANDLERS[conv.state])(conv)
+        finally:
+            conv.generator.live -= 1
+            await self.handle_done(conv)
+        return conv.traj
+
+    # --- the states ---
+
+    async def handle_pending(self, conv: Conversation) -> RequestState:
+        """Make this conversation's tool instances; the environment may speak first."""
         for name, tool in self.tools.items():
             try:
-                instances[name] = await tool.create(**self._tool_kwargs(request, name, "create_kwargs"))
+                conv.instances[name] = instance_id_of(
+                    await tool.create(**self._tool_kwargs(conv.request, name, "create_kwargs")))
             except Exception as err:  # a setup bug, not the model's: stop with what and where
                 raise AgentLoopError(f"tool {name!r}: create() failed with {type(err).__name__}: {err} "
                                      f"(create_kwargs from the row's extra_info.tools_kwargs.{name})") from err
-        generator.live += 1
-        try:
-            if env is not None:
-                env.messages = traj.messages
-                first = await env.reset()
-                if first:
-                    if not self._append_turns(traj, [{"role": env.role, "content": first}]):
-                        return self._end(traj, LENGTH)
-            while True:
-                traj.state = RequestState.GENERATING
-                if traj.assistant_turns >= cfg.max_assistant_turns:
-                    return self._end(traj, MAX_TURNS)
-                budget = self._budget(traj)
-                if budget <= 0:
-                    return self._end(traj, LENGTH)
-                turn = await generator.generate(traj.prompt_ids + traj.response_ids, budget,
-                                                turn_seed(seed, traj.assistant_turns))
-                self._append(traj, turn.ids, [1] * len(turn.ids), turn.log_probs)
-                traj.assistant_turns += 1
-                text = self.renderer.assistant_text(turn.ids, self.stop_ids)
-                traj.messages.append({"role": "assistant", "content": text})
-                if turn.finish_reason == LENGTH:
-                    return self._end(traj, LENGTH)
-                calls, errors = self.parser.parse(text) if self.tools else ([], [])
-                if calls or errors:
-                    if traj.assistant_turns >= cfg.max_assistant_turns:
-                        return self._end(traj, MAX_TURNS)
-                    traj.state = RequestState.TOOL_CALLING
-                    replies = await self._call_tools(traj, calls, errors, instances, request)
-                    if cfg.max_tool_errors is not None and sum(traj.tool_errors.values()) >= cfg.max_tool_errors:
-                        return self._end(traj, TOOL_ERROR, RequestState.FAILED)
-                    if not self._append_turns(traj, [{"role": "tool", "content": r} for r in replies]):
-                        return self._end(traj, LENGTH)
-                    continue
-                if env is None:
-                    return self._end(traj, STOP)
-                if traj.user_turns >= cfg.max_user_turns:
-                    return self._end(traj, MAX_TURNS)
-                traj.state = RequestState.INTERACTING
-                step = await env.step(text)
-                traj.env_reward += float(step.reward)
-                spawned.extend(step.info.get("spawn", []))
-                if step.done:
-                    return self._end(traj, STOP)
-                traj.user_turns += 1
-                if not self._append_turns(traj, [{"role": env.role, "content": step.observation}]):
-                    return self._end(traj, LENGTH)
-        finally:
-            generator.live -= 1
-            for name, tool in self.tools.items():
-                try:
-                    traj.tool_reward += float(await tool.calc_reward(
-                        instances[name], **self._tool_kwargs(request, name, "calc_reward_kwargs")))
-                    await tool.release(instances[name], **self._tool_kwargs(request, name, "release_kwargs"))
-                except Exception:  # counted, like a failing call: one tool's bug does not end the run
-                    log.warning("tool %s: calc_reward/release raised", name, exc_info=True)
-                    traj.tool_errors["reward_exception"] += 1
-            self._check_tokenization(traj)
+        if conv.env is not None:
+            conv.env.messages = conv.traj.messages
+            first = await self._env_call(conv, conv.env.reset, "reset", allow_none=True)
+            if first:
+                if not self.append_turns(conv.traj, [{"role": conv.env.role, "content": first}]):
+                    return self.end(conv, LENGTH)
+        return RequestState.GENERATING
+
+    async def handle_generating(self, conv: Conversation) -> RequestState:
+        """One assistant turn; then its tool calls, the environment, or the end."""
+        traj = conv.traj
+        if traj.assistant_turns >= self.config.max_assistant_turns:
+            return self.end(conv, MAX_TURNS)
+        budget = self._budget(traj)
+        if budget <= 0:
+            return self.end(conv, LENGTH)
+        conv.turn = await conv.generator.generate(traj.prompt_ids + traj.response_ids, budget,
+                                                  turn_seed(conv.seed, traj.assistant_turns))
+        self._append(traj, conv.turn.ids, [1] * len(conv.turn.ids), conv.turn.log_probs)
+        traj.assistant_turns += 1
+        conv.text = self.renderer.assistant_text(conv.turn.ids, self.stop_ids)
+        traj.messages.append({"role": "assistant", "content": conv.text})
+        if conv.turn.finish_reason == LENGTH:
+            return self.end(conv, LENGTH)
+        conv.calls, conv.errors = parse_safely(self.parser, conv.text) if self.tools else ([], [])
+        if conv.calls or conv.errors:
+            if traj.assistant_turns >= self.config.max_assistant_turns:
+                return self.end(conv, MAX_TURNS)
+            return RequestState.TOOL_CALLING
+        if conv.env is None:
+            return self.end(conv, STOP)
+        if traj.user_turns >= self.config.max_user_turns:
+            return self.end(conv, MAX_TURNS)
+        return RequestState.INTERACTING
+
+    async def handle_tool_calling(self, conv: Conversation) -> RequestState:
+        """Run the turn's calls; every reply, answer or error, is a tool turn the model reads next."""
+        cfg, traj = self.config, conv.traj
+        replies = await self._call_tools(conv)
+        if cfg.max_tool_errors is not None and sum(traj.tool_errors.values()) >= cfg.max_tool_errors:
+            return self.end(conv, TOOL_ERROR, RequestState.FAILED)
+        if not self.append_turns(traj, [{"role": "tool", "content": r} for r in replies]):
+            return self.end(conv, LENGTH)
+        return RequestState.GENERATING
+
+    async def handle_interacting(self, conv: Conversation) -> RequestState:
+        """The environment (or simulated user) answers a turn that called no tool."""
+        traj, env = conv.traj, conv.env
+        step = await self._env_call(conv, lambda: env.step(conv.text), "step")
+        if isinstance(step, str):  # the environment failed: the model reads why, as the user's turn
+            traj.user_turns += 1
+            if not self.append_turns(traj, [{"role": env.role, "content": step}]):
+                return self.end(conv, LENGTH)
+            return RequestState.GENERATING
+        traj.env_reward += float(step.reward)
+        conv.spawned.extend(step.info.get("spawn", []))
+        if step.done:
+            return self.end(conv, STOP)
+        traj.user_turns += 1
+        if not self.append_turns(traj, [{"role": env.role, "content": step.observation}]):
+            return self.end(conv, LENGTH)
+        return RequestState.GENERATING
+
+    async def handle_done(self, conv: Conversation) -> None:
+        """Collect the tools' rewards, release their instances, check the tokenisation."""
+        traj = conv.traj
+        for name, instance in conv.instances.items():
+            tool = self.tools[name]
+            try:
+                traj.tool_reward += float(await tool.calc_reward(
+                    instance, **self._tool_kwargs(conv.request, name, "calc_reward_kwargs")))
+                await tool.release(instance, **self._tool_kwargs(conv.request, name, "release_kwargs"))
+            except Exception:  # counted, like a failing call: one tool's bug does not end the run
+                log.warning("tool %s: calc_reward/release raised", name, exc_info=True)
+                traj.tool_errors["reward_exception"] += 1
+        self._check_tokenization(traj)
+
+    @staticmethod
+    def end(conv: Conversation, reason: str, state: RequestState = RequestState.COMPLETED) -> RequestState:
+        """End the conversation with ``reason``; returns the final state for a handler to return."""
+        conv.traj.finish_reason = reason
+        return state
 
     # --- pieces of a conversation ---
 
@@ -514,45 +313,42 @@ class AgentLoop:
         traj.log_probs += list(log_probs)[:room]
         return len(ids) <= room
 
-    def _append_turns(self, traj: Trajectory, messages: list[dict[str, Any]]) -> bool:
+    def append_turns(self, traj: Trajectory, messages: list[dict[str, Any]]) -> bool:
+        """Append turns from outside the model (masked out, log-prob 0); False when the budget cut them."""
         traj.messages.extend(messages)
         ids = self.renderer.new_turns(messages)
         return self._append(traj, ids, [0] * len(ids), [0.0] * len(ids))
 
     @staticmethod
-    def _end(traj: Trajectory, reason: str, state: RequestState = RequestState.COMPLETED) -> Trajectory:
-        traj.finish_reason, traj.state = reason, state
-        return traj
-
-    @staticmethod
     def _tool_kwargs(request: Request, name: str, key: str) -> dict[str, Any]:
         return dict((request.tools_kwargs.get(name) or {}).get(key) or {})
 
-    async def _call_tools(self, traj: Trajectory, calls: list[ToolCall], errors: list[ToolCallError],
-                          instances: dict[str, str], request: Request) -> list[str]:
-        """Each call's reply text, in order; every mistake becomes an error reply and a counted kind."""
+    def _reply(self, text: str) -> str:
         cfg = self.config
-        extra = calls[cfg.max_parallel_calls:]
-        errors = list(errors) + [ToolCallError("too_many_calls", f"at most {cfg.max_parallel_calls} call(s) "
-                                               f"per turn; {call.name!r} was not run") for call in extra]
-        run = calls[:cfg.max_parallel_calls]
-        outcomes = await asyncio.gather(*(self._call_one(call, instances, request) for call in run))
-        names = [call.name for call in run] + [""] * len(errors)
+        return truncate_text(text, cfg.max_tool_response_length, cfg.tool_response_truncate_side)
+
+    async def _call_tools(self, conv: Conversation) -> list[str]:
+        """Each call's reply text, in order; every mistake becomes an error reply and a counted kind."""
+        cfg, traj = self.config, conv.traj
+        calls, extra = conv.calls[:cfg.max_parallel_calls], conv.calls[cfg.max_parallel_calls:]
+        errors = list(conv.errors) + [ToolCallError("too_many_calls", f"at most {cfg.max_parallel_calls} call(s) "
+                                                    f"per turn; {call.name!r} was not run") for call in extra]
+        outcomes = await asyncio.gather(*(self._call_one(call, conv) for call in calls))
+        names = [call.name for call in calls] + [""] * len(errors)
         replies = []
         for name, outcome in zip(names, list(outcomes) + errors):
             traj.tool_calls += 1
             if isinstance(outcome, ToolCallError):
                 traj.tool_errors[outcome.kind] += 1
-                text = outcome.as_text()
-            else:
+                replies.append(self._reply(outcome.as_text()))
+            else:  # already cut to size where the tool's task read it
                 traj.tool_successes += 1
-                traj.tool_reward += float(outcome.reward)
-                traj.tool_metrics.append((name, dict(outcome.metrics or {})))
-                text = outcome.text
-            replies.append(truncate_text(text, cfg.max_tool_response_length, cfg.tool_response_truncate_side))
+                traj.tool_reward += outcome.reward
+                traj.tool_metrics.append((name, outcome.metrics))
+                replies.append(outcome.text)
         return replies
 
-    async def _call_one(self, call: ToolCall, instances: dict[str, str], request: Request) -> Any:
+    async def _call_one(self, call: ToolCall, conv: Conversation) -> Any:
         tool = self.tools.get(call.name)
         if tool is None:
             return ToolCallError("unknown_tool", f"there is no tool {call.name!r}; tools: "
@@ -560,16 +356,26 @@ class AgentLoop:
         problem = tool.check_arguments(call.arguments)
         if problem:
             return ToolCallError("bad_arguments", problem)
-        try:
-            return await asyncio.wait_for(
-                tool.execute(instances[call.name], call.arguments,
-                             **self._tool_kwargs(request, call.name, "execute_kwargs")),
-                self.config.tool_timeout_s)
-        except asyncio.TimeoutError:
-            return ToolCallError("timeout", f"{call.name!r} did not answer within {self.config.tool_timeout_s:g}s")
-        except Exception as err:  # a tool's bug is the conversation's problem, not the run's
-            log.debug("tool %s raised", call.name, exc_info=True)
-            return ToolCallError("tool_exception", f"{call.name!r} failed: {type(err).__name__}: {err}")
+        outcome, retries = await execute_tool(
+            tool, conv.instances[call.name], call, self._tool_kwargs(conv.request, call.name, "execute_kwargs"),
+            self.config)
+        conv.traj.tool_retries += retries
+        return outcome
+
+    async def _env_call(self, conv: Conversation, call: Callable[[], Awaitable[Any]], method: str,
+                        allow_none: bool = False) -> Any:
+        """An environment's ``reset`` or ``step`` under the tool timeout; a failure is an error text, counted."""
+        env = conv.env
+        outcome = await call_with_limits(call, self.config.tool_timeout_s, f"{type(env).__name__}.{method}")
+        if not isinstance(outcome, ToolCallError):
+            expected = str if method == "reset" else EnvStep
+            if isinstance(outcome, expected) or (allow_none and outcome is None):
+                return outcome
+            outcome = ToolCallError("bad_env_output", f"{f'{type(env).__name__}.{method}'!r} returned a "
+                                                      f"{type(outcome).__name__}, not {expected.__name__}")
+        log.warning("environment %s: %s", type(env).__name__, outcome.message)
+        conv.traj.tool_errors[outcome.kind] += 1
+        return self._reply(outcome.as_text())
 
     def _check_tokenization(self, traj: Trajectory) -> None:
         mode = self.config.tokenization_check
@@ -588,62 +394,12 @@ class AgentLoop:
                         whole[traj.tokenization_mismatch:traj.tokenization_mismatch + 5])
 
 
-def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
-    """``multi_turn/*`` metrics: tool calls per sample, call success rate, turns, rewards, finish reasons."""
-    n = max(len(trajectories), 1)
-    calls = sum(t.tool_calls for t in trajectories)
-    metrics = {
-        "multi_turn/tool_calls_per_sample": calls / n,
-        "multi_turn/tool_success_rate": sum(t.tool_successes for t in trajectories) / calls if calls else 0.0,
-        "multi_turn/assistant_turns": sum(t.assistant_turns for t in trajectories) / n,
-        "multi_turn/user_turns": sum(t.user_turns for t in trajectories) / n,
-        "multi_turn/tool_reward": sum(t.tool_reward for t in trajectories) / n,
-        "multi_turn/env_reward": sum(t.env_reward for t in trajectories) / n,
-        "multi_turn/tokenization_mismatch": float(sum(t.tokenization_mismatch is not None for t in trajectories)),
-    }
-    reasons = Counter(t.finish_reason for t in trajectories)
-    for reason in FINISH_REASONS:
-        metrics[f"multi_turn/finish/{reason}"] = float(reasons.get(reason, 0))
-    errors = sum((t.tool_errors for t in trajectories), Counter())
-    for kind, count in errors.items():
-        metrics[f"multi_turn/tool_errors/{kind}"] = float(count)
-    per_tool: dict[str, list[float]] = {}
-    for t in trajectories:
-        for name, values in t.tool_metrics:
-            for key, value in values.items():
-                per_tool.setdefault(f"multi_turn/tool/{name}/{key}", []).append(float(value))
-    metrics.update({key: sum(v) / len(v) for key, v in per_tool.items()})  # mean over successful calls
-    return metrics
+def run_rollouts(generator: Any, work: Sequence[tuple[AgentLoop, Request]]) -> list[list[Trajectory]]:
+    """Each ``(loop, request)``'s trajectories, in order, all concurrently through one ``generator`` (blocking).
 
-
-def trajectory_tensors(trajectories: Sequence[Trajectory], response_length: int, pad_token_id: int,
-                       prompt_length: int = 0) -> dict[str, torch.Tensor]:
-    """The rollout fields of ``rollout.generate`` from trajectories, with interior zeros in ``response_mask``.
-
-    ``attention_mask`` is 1 on every real token (tool and user tokens are context
-    the model reads); ``response_mask`` is 1 only on sampled tokens;
-    ``rollout_log_probs`` is 0 wherever ``response_mask`` is.
+    Requests of different loops share the generator's rounds of turns.
     """
-    prompts, prompt_mask = left_pad([t.prompt_ids for t in trajectories], pad_token_id,
-                                    max([prompt_length] + [len(t.prompt_ids) for t in trajectories]))
-    rows = len(trajectories)
-    responses = torch.full((rows, response_length), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros((rows, response_length), dtype=torch.long)
-    real = torch.zeros((rows, response_length), dtype=torch.long)
-    log_probs = torch.zeros((rows, response_length), dtype=torch.float32)
-    for i, t in enumerate(trajectories):
-        k = min(len(t.response_ids), response_length)
-        responses[i, :k] = torch.tensor(t.response_ids[:k], dtype=torch.long)
-        response_mask[i, :k] = torch.tensor(t.response_mask[:k], dtype=torch.long)
-        real[i, :k] = 1
-        log_probs[i, :k] = torch.tensor(t.log_probs[:k], dtype=torch.float32) * response_mask[i, :k]
-    attention_mask = torch.cat([prompt_mask, real], dim=-1)
-    return {
-        "prompts": prompts,
-        "responses": responses,
-        "response_mask": response_mask,
-        "input_ids": torch.cat([prompts, responses], dim=-1),
-        "attention_mask": attention_mask,
-        "position_ids": position_ids_from_mask(attention_mask),
-        "rollout_log_probs": log_probs,
-    }
+    async def all_of_them() -> list[list[Trajectory]]:
+        return list(await asyncio.gather(*(loop.rollout(generator, request) for loop, request in work)))
+
+    return asyncio.run(all_of_them())

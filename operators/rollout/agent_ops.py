@@ -17,6 +17,10 @@ from a YAML file (``tool_config``) or typed functions (``tool_functions:
 [mypkg.tools:search]``); an ``environment`` (``pkg.mod:Class``) answers turns
 that call no tool. The dataset's ``extra_info.tools_kwargs`` and
 ``extra_info.interaction_kwargs`` reach each row's tools and environment.
+
+Each row runs the agent loop its ``agent_name`` column names (verl's column:
+a name registered with :func:`~operators.rollout.agent_loop.register_agent_loop`
+or ``pkg.mod:Class``); rows without one run ``agent_loop`` (``tool_agent``).
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from operators.data.dataset import object_array
 from operators.rewards import split_score
 from operators.rewards.rule import exact_match_score
 from operators.rewards.scoring import auto_reward_fn, place_at_last_token, resolve_reward_fn
-from operators.rollout.agent_loop import (
-    AgentConfig, AgentLoop, Request, make_generator, rollout_metrics, trajectory_tensors,
+from operators.rollout.agent_loop import DEFAULT_AGENT_LOOP, AgentLoop, get_agent_loop, run_rollouts
+from operators.rollout.batching import make_generator
+from operators.rollout.conversation import (
+    AgentConfig, AgentLoopError, Request, rollout_metrics, trajectory_tensors,
 )
 from operators.rollout.base import SamplingParams, sample_seeds
 from operators.rollout.envs import Environment
@@ -67,6 +73,8 @@ class MultiTurn(AgentConfig):
     tool_parser: str = Field("hermes", description="how tool calls are written (hermes: <tool_call>{json}</tool_call>)")
     render_tool_schemas: bool = Field(False, description="pass the tools' schemas to the chat template")
     environment: str | None = Field(None, description="an Environment / Interaction class: 'pkg.mod:Class'")
+    agent_loop: str = Field(DEFAULT_AGENT_LOOP, description="the loop of rows whose agent_name column is empty: "
+                                                           "a registered name or 'pkg.mod:Class'")
 
     @model_validator(mode="after")
     def _resolvable(self) -> "MultiTurn":
@@ -83,7 +91,8 @@ class MultiTurn(AgentConfig):
             for i, fn in enumerate(self.tool_functions):
                 import_object(fn, f"tool_functions[{i}]")
             _environment(self.environment)
-        except ToolConfigError as err:
+            get_agent_loop(self.agent_loop)
+        except (ToolConfigError, AgentLoopError) as err:
             raise ValueError(str(err)) from None
         return self
 
@@ -105,8 +114,9 @@ def _row_kwargs(extra_info: Any, key: str) -> dict:
 
 @operator(
     "rollout.multi_turn", role="actor", scope="row", expands="n", cost=4.0, node_name="generate", params=MultiTurn,
-    inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "extra_info": "object[B]", "uid": "object[B]"},
-    optional_inputs=("uid",),
+    inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "extra_info": "object[B]", "uid": "object[B]",
+            "agent_name": "object[B]"},
+    optional_inputs=("uid", "agent_name"),
     outputs={**SEQUENCE_FIELDS, "rollout_log_probs": "float32[B, R]", "weight_version": "int64[B]",
              "tool_reward": "float32[B]", "answer": "object[B]", "messages": "object[B]",
              "finish_reason": "object[B]"},
@@ -122,24 +132,30 @@ def multi_turn(actor, batch, p: MultiTurn):
                          f"rollout of {p.environment} yields; set n to a multiple of {per_rollout}")
     tokenizer = actor.tokenizer
     engine = actor.engine
-    loop = AgentLoop(tokenizer, p, tools=_tools(p), parser=p.tool_parser,
-                     environment=env_cls, stop_token_ids=[int(i) for i in engine.stop_token_ids],
-                     render_tool_schemas=p.render_tool_schemas)
+    names = batch["agent_name"] if "agent_name" in batch else [None] * len(batch["prompts"])
+    names = [str(name) if name else p.agent_loop for name in names]
+    loops: dict[str, AgentLoop] = {
+        name: get_agent_loop(name)(tokenizer, p, tools=_tools(p), parser=p.tool_parser, environment=env_cls,
+                                   stop_token_ids=[int(i) for i in engine.stop_token_ids],
+                                   render_tool_schemas=p.render_tool_schemas)
+        for name in dict.fromkeys(names)}
     rollouts = p.n // per_rollout
     # each rollout's sampling is keyed by its prompt's uid: the same conversations on any rank
     prompt_keys = actor.sampling_seeds(batch)
     seeds = ([[None] * rollouts] * len(batch["prompts"]) if prompt_keys is None
              else sample_seeds(prompt_keys, rollouts).view(-1, rollouts).tolist())
-    requests = []
-    for ids, mask, extra, row_seeds in zip(batch["prompts"], batch["prompt_mask"], batch["extra_info"], seeds):
-        requests += [Request(ids[mask.bool()].tolist(), _row_kwargs(extra, "tools_kwargs"),
-                             _row_kwargs(extra, "interaction_kwargs"), seed) for seed in row_seeds]
+    work = []
+    for ids, mask, extra, row_seeds, name in zip(batch["prompts"], batch["prompt_mask"], batch["extra_info"], seeds,
+                                                 names):
+        work += [(loops[name], Request(ids[mask.bool()].tolist(), _row_kwargs(extra, "tools_kwargs"),
+                                       _row_kwargs(extra, "interaction_kwargs"), seed, name)) for seed in row_seeds]
     sampling = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, greedy=p.greedy)
-    generator = make_generator(engine, sampling, loop.stop_ids, tokenizer.pad_token_id)
+    stop_ids = next(iter(loops.values())).stop_ids
+    generator = make_generator(engine, sampling, stop_ids, tokenizer.pad_token_id)
     # conversations take as many rounds as they need, so ranks call the engine unequally often:
     # a sharded actor gathers its weights once for the whole rollout
     with actor.full_weights():
-        trajectories = [t for rollout in loop.run(generator, requests) for t in rollout]
+        trajectories = [t for rollout in run_rollouts(generator, work) for t in rollout]
     out = trajectory_tensors(trajectories, p.max_response_length, tokenizer.pad_token_id, batch["prompts"].shape[1])
     lengths = out["response_mask"].sum(-1).float()
     metrics = {**rollout_metrics(trajectories), "response_length/mean": lengths.mean(),

@@ -38,9 +38,12 @@ class ToolCallError:
     """A call the loop could not make: ``kind`` (a metric name) and the message sent back to the model.
 
     Kinds: ``bad_json``, ``unclosed_tag``, ``bad_call`` (no name, arguments not
-    an object), ``unknown_tool``, ``bad_arguments``, ``tool_exception``,
-    ``timeout``, ``too_many_calls`` (and, counted by the loop, ``reward_exception``: a raising
-    ``calc_reward`` or ``release``).
+    an object), ``parser_error`` (a parser raised), ``unknown_tool``,
+    ``bad_arguments``, ``tool_exception``, ``timeout``, ``bad_tool_output`` (not
+    a ToolResult, a str or verl's ``(ToolResponse, reward, metrics)``),
+    ``too_many_calls``; for environments ``env_exception``, ``env_timeout`` and
+    ``bad_env_output``; and, counted by the loop, ``reward_exception``: a
+    raising ``calc_reward`` or ``release``.
     """
 
     kind: str
@@ -83,17 +86,35 @@ def call_from_json(payload: str) -> ToolCall | ToolCallError:
         obj = json.loads(payload)
     except json.JSONDecodeError as err:
         return ToolCallError("bad_json", f"the tool call is not valid JSON ({err.msg} at char {err.pos})")
+    except (ValueError, RecursionError) as err:  # nested too deep, or an integer past Python's digit limit
+        return ToolCallError("bad_json", f"the tool call cannot be read as JSON ({_reason(err)})")
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return ToolCallError("bad_call", 'a tool call needs {"name": "<tool>", "arguments": {...}}')
     arguments = obj.get("arguments", {})
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             return ToolCallError("bad_json", f"the arguments of {obj['name']!r} are not valid JSON")
     if not isinstance(arguments, dict):
         return ToolCallError("bad_call", f"the arguments of {obj['name']!r} must be a JSON object")
     return ToolCall(obj["name"], arguments)
+
+
+def _reason(err: Exception) -> str:
+    return "nested too deeply" if isinstance(err, RecursionError) else str(err).split(":")[0]
+
+
+def parse_safely(parser: ToolParser, text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
+    """``parser.parse(text)``, with whatever a parser raises on model output turned into a ``parser_error``.
+
+    Model output must never fail a batch: a (user-registered) parser that
+    raises still gives the model an error turn.
+    """
+    try:
+        return parser.parse(text)
+    except Exception as err:  # a parser bug on odd output: the conversation's problem, not the run's
+        return [], [ToolCallError("parser_error", f"the tool call could not be parsed ({type(err).__name__})")]
 
 
 @register_parser("hermes")

@@ -6,6 +6,13 @@ per call → ``calc_reward`` → ``release``. ``execute`` returns
 ``(text, reward, metrics)``; the step rewards and ``calc_reward`` add up in the
 trajectory's ``tool_reward``, which ``reward.agent`` adds to the score.
 
+A class written to verl's contract works unchanged: ``create`` may return
+``(instance_id, ToolResponse)`` and ``execute`` ``(ToolResponse, reward,
+metrics)`` (:func:`as_tool_result` reads any object with a ``text``), and a
+class that is not a flowrl :class:`BaseTool` (a subclass of verl's
+``verl.tools.base_tool.BaseTool``) is built as verl builds it, with a
+:class:`ToolSchema`, and called through :class:`ContractTool`.
+
 A typed Python function is a tool; its schema comes from the signature and the
 docstring, and its arguments are checked against the annotations before it runs::
 
@@ -32,15 +39,17 @@ from __future__ import annotations
 import abc
 import asyncio
 import functools
-import importlib
-import importlib.util
 import inspect
+import numbers
+import threading
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import yaml
+from pydantic import BaseModel, ConfigDict
+
+from flowrl.graph.registry import ImportPathError, load_object
 
 
 class ToolConfigError(ValueError):
@@ -53,6 +62,61 @@ class ToolResult(NamedTuple):
     text: str
     reward: float = 0.0
     metrics: dict = {}
+
+
+def as_tool_result(value: Any) -> ToolResult:
+    """What ``execute`` returned, as a :class:`ToolResult`; ``TypeError`` says what it should have been.
+
+    Accepted: a :class:`ToolResult`, a ``str``, or verl's ``(ToolResponse, reward,
+    metrics)`` where the response is a ``str`` or has a ``text`` (``None``: empty).
+
+    Example::
+
+        >>> class ToolResponse:
+        ...     text = "85"
+        >>> as_tool_result((ToolResponse(), 0.5, {"calls": 1}))
+        ToolResult(text='85', reward=0.5, metrics={'calls': 1})
+    """
+    if isinstance(value, str):
+        return ToolResult(value)
+    response, reward, metrics = value if isinstance(value, tuple) and len(value) == 3 else (value, 0.0, {})
+    text = response if isinstance(response, str) else getattr(response, "text", None)
+    if text is None and hasattr(response, "text"):
+        text = ""
+    if (isinstance(text, str) and isinstance(reward, numbers.Real)
+            and (metrics is None or isinstance(metrics, Mapping))):
+        return ToolResult(text, float(reward), dict(metrics or {}))
+    raise TypeError(f"returned {_describe(value)}; execute returns ToolResult(text, reward, metrics), "
+                    "(ToolResponse, reward, metrics) or a str")
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tuple):
+        return f"a tuple of ({', '.join(type(v).__name__ for v in value)})"
+    return f"a {type(value).__name__}"
+
+
+def truncate_text(text: str, limit: int, side: str) -> str:
+    """``text`` cut to ``limit`` characters: keep its start (``right``), its end (``left``) or both ends.
+
+    Example::
+
+        >>> truncate_text("0123456789", 6, "right"), truncate_text("0123456789", 6, "left")
+        ('012345...', '...456789')
+    """
+    if len(text) <= limit:
+        return text
+    if side == "right":
+        return text[:limit] + "..."
+    if side == "left":
+        return "..." + text[-limit:]
+    half = limit // 2
+    return text[:half] + "..." + text[len(text) - (limit - half):]
+
+
+def instance_id_of(created: Any) -> Any:
+    """The instance id ``create`` returned: flowrl's ``id`` or verl's ``(id, ToolResponse)``."""
+    return created[0] if isinstance(created, tuple) and len(created) == 2 else created
 
 
 class BaseTool(abc.ABC):
@@ -150,16 +214,40 @@ def schema_from_function(fn: Callable[..., Any]) -> dict[str, Any]:
         "parameters": {"type": "object", "properties": properties, "required": required}}}
 
 
-#: where synchronous tools run: not asyncio's default executor, which ``asyncio.run`` waits for at
-#: the end of a rollout, so a sync tool that hangs past its timeout does not hold the rollout up
-_SYNC_TOOL_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="flowrl-tool")
+async def run_in_thread(call: Callable[[], Any]) -> Any:
+    """``call()`` in a daemon thread of its own; awaiting it can be cancelled (a timeout) at any time.
+
+    Not a shared pool: a call that hangs past its timeout is abandoned with its
+    thread, so it neither takes a worker from later calls nor keeps the
+    process from exiting.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():  # an abandoned call's answer has nobody left to hear it
+            future.set_exception(error) if error is not None else future.set_result(value)
+
+    def target() -> None:
+        try:
+            value, error = call(), None
+        except BaseException as err:  # handed to the awaiting task, which says what the tool raised
+            value, error = None, err
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the rollout's event loop has closed: the call was abandoned long ago
+            pass
+
+    threading.Thread(target=target, daemon=True, name="flowrl-tool").start()
+    return await future
 
 
 class FunctionTool(BaseTool):
     """A plain (sync or async) typed function as a stateless tool; its return value, as text, is the response.
 
-    A synchronous function runs in a thread; past the loop's ``tool_timeout_s``
-    the call is answered with a timeout error, but a thread cannot be stopped:
+    A synchronous function runs in a daemon thread of its own
+    (:func:`run_in_thread`); past the loop's ``tool_timeout_s`` the call is
+    answered with a timeout error and abandoned: a thread cannot be stopped, so
     it finishes in the background (write long-running tools as ``async def``).
     """
 
@@ -171,8 +259,7 @@ class FunctionTool(BaseTool):
         if inspect.iscoroutinefunction(self.fn):
             value = await self.fn(**parameters)
         else:
-            call = functools.partial(self.fn, **parameters)
-            value = await asyncio.get_running_loop().run_in_executor(_SYNC_TOOL_THREADS, call)
+            value = await run_in_thread(functools.partial(self.fn, **parameters))
         return value if isinstance(value, ToolResult) else ToolResult(str(value))
 
 
@@ -225,27 +312,59 @@ def _digit_share(written: str, target: str) -> float:
 
 def import_object(path: str, where: str) -> Any:
     """``pkg.mod:name``, ``pkg.mod.name`` or ``file.py:name`` → the object; errors say ``where``."""
-    if ":" in path:
-        module_name, attr = path.rsplit(":", 1)
-    elif "." in path:
-        module_name, attr = path.rsplit(".", 1)
-    else:
-        raise ToolConfigError(f"{where}: {path!r} is not an import path; write 'pkg.module:name' or 'file.py:name'")
     try:
-        if module_name.endswith(".py"):
-            file = Path(module_name)
-            spec = importlib.util.spec_from_file_location(file.stem, file)
-            if spec is None or not file.is_file():
-                raise ToolConfigError(f"{where}: no such file {module_name!r}")
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ToolConfigError(f"{where}: cannot import {module_name!r}: {err}") from err
-    if not hasattr(module, attr):
-        raise ToolConfigError(f"{where}: {module_name!r} has no {attr!r}")
-    return getattr(module, attr)
+        return load_object(path)
+    except (ImportPathError, SyntaxError) as err:
+        raise ToolConfigError(f"{where}: {err}") from err
+
+
+class ToolSchema(BaseModel):
+    """An OpenAI function schema as an object, read as verl's ``OpenAIFunctionToolSchema`` is.
+
+    verl builds its tools with one (``tool.tool_schema.function.name``,
+    ``tool_schema.model_dump()``); flowrl's own tools take the plain mapping.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    class Function(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        name: str
+        description: str = ""
+        parameters: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
+
+    type: str = "function"
+    function: Function
+
+
+class ContractTool(BaseTool):
+    """A tool object written to verl's ``BaseTool`` contract, called as flowrl calls its tools.
+
+    Its methods are called unchanged; their verl-shaped results are read by
+    :func:`instance_id_of` and :func:`as_tool_result` in the agent loop.
+    """
+
+    def __init__(self, tool: Any):
+        schema = tool.tool_schema
+        if hasattr(schema, "model_dump"):
+            schema = schema.model_dump(exclude_unset=True, exclude_none=True)
+        super().__init__(getattr(tool, "config", None), schema)
+        self.tool = tool
+
+    async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> Any:
+        return await self.tool.create(instance_id, **create_kwargs)
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any], **execute_kwargs: Any) -> Any:
+        return await self.tool.execute(instance_id, parameters, **execute_kwargs)
+
+    async def calc_reward(self, instance_id: str, **calc_reward_kwargs: Any) -> float:
+        return await self.tool.calc_reward(instance_id, **calc_reward_kwargs)
+
+    async def release(self, instance_id: str, **release_kwargs: Any) -> None:
+        await self.tool.release(instance_id, **release_kwargs)
+
+
+_CONTRACT = ("create", "execute", "calc_reward", "release")
 
 
 def tool_from_entry(entry: Mapping[str, Any], where: str) -> BaseTool:
@@ -265,9 +384,18 @@ def tool_from_entry(entry: Mapping[str, Any], where: str) -> BaseTool:
     if "class_name" not in entry:
         raise ToolConfigError(f"{where}: a tool needs 'class_name' (a BaseTool subclass) or 'function'")
     cls = import_object(str(entry["class_name"]), f"{where}.class_name")
-    if not (inspect.isclass(cls) and issubclass(cls, BaseTool)):
-        raise ToolConfigError(f"{where}.class_name: {entry['class_name']!r} is not a BaseTool subclass")
-    return cls(config, entry.get("tool_schema"))
+    if inspect.isclass(cls) and issubclass(cls, BaseTool):
+        return cls(config, entry.get("tool_schema"))
+    if not (inspect.isclass(cls) and all(inspect.iscoroutinefunction(getattr(cls, m, None)) for m in _CONTRACT)):
+        raise ToolConfigError(f"{where}.class_name: {entry['class_name']!r} is neither a BaseTool subclass nor a "
+                              f"class with verl's tool methods (async {', '.join(_CONTRACT)})")
+    schema = entry.get("tool_schema")
+    try:
+        # built as verl's tool registry builds it: keyword arguments, the schema as an object
+        return ContractTool(cls(config=config,
+                                tool_schema=None if schema is None else ToolSchema.model_validate(schema)))
+    except Exception as err:  # the user's constructor or schema: name the entry
+        raise ToolConfigError(f"{where}: building {entry['class_name']!r} raised {type(err).__name__}: {err}") from err
 
 
 def load_tool_config(path: str | Path) -> list[BaseTool]:
