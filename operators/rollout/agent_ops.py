@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from pydantic import Field, model_validator
 
+from flowrl.data.metrics import maximum, minimum
 from flowrl.graph import Params, operator
 from operators.data.dataset import object_array
 from operators.rewards import split_score
@@ -159,7 +160,7 @@ def multi_turn(actor, batch, p: MultiTurn):
     out = trajectory_tensors(trajectories, p.max_response_length, tokenizer.pad_token_id, batch["prompts"].shape[1])
     lengths = out["response_mask"].sum(-1).float()
     metrics = {**rollout_metrics(trajectories), "response_length/mean": lengths.mean(),
-               "response_length/max": lengths.max(), **unshard_metrics(actor)}
+               "response_length/max": maximum(lengths.max()), **unshard_metrics(actor)}
     return {
         **{k: out[k] for k in SEQUENCE_FIELDS}, "rollout_log_probs": out["rollout_log_probs"],
         "weight_version": torch.full((len(trajectories),), actor.version, dtype=torch.int64),
@@ -201,7 +202,7 @@ def agent_reward(batch, p: AgentReward):
         for ds, answer, truth, extra in zip(batch["data_source"], batch["answer"], batch["ground_truth"],
                                             batch["extra_info"])], dtype=torch.float32)
     scores = outcome + p.tool_reward_weight * batch["tool_reward"]
-    metrics = {"reward/mean": scores.mean(), "reward/max": scores.max(), "reward/min": scores.min(),
+    metrics = {"reward/mean": scores.mean(), "reward/max": maximum(scores.max()), "reward/min": minimum(scores.min()),
                "reward/outcome": outcome.mean(), "reward/tool": batch["tool_reward"].mean()}
     return {"token_level_scores": place_at_last_token(scores, batch["response_mask"])}, metrics
 

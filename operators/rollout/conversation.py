@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping, Sequence
 import torch
 from pydantic import Field
 
+from flowrl.data.metrics import mean, total
 from flowrl.graph import Params
 from operators.data.dataset import left_pad, position_ids_from_mask
 from operators.rollout.base import derive_seed
@@ -143,28 +144,30 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     calls = sum(t.tool_calls for t in trajectories)
     metrics = {
         "multi_turn/tool_calls_per_sample": calls / n,
-        "multi_turn/tool_success_rate": sum(t.tool_successes for t in trajectories) / calls if calls else 0.0,
+        # a mean over calls, not samples; counts add up over micro-batches and ranks
+        "multi_turn/tool_success_rate": mean(sum(t.tool_successes for t in trajectories) / calls if calls else 0.0,
+                                             weight=calls),
         "multi_turn/assistant_turns": sum(t.assistant_turns for t in trajectories) / n,
         "multi_turn/user_turns": sum(t.user_turns for t in trajectories) / n,
         "multi_turn/tool_reward": sum(t.tool_reward for t in trajectories) / n,
         "multi_turn/env_reward": sum(t.env_reward for t in trajectories) / n,
-        "multi_turn/tokenization_mismatch": float(sum(t.tokenization_mismatch is not None for t in trajectories)),
+        "multi_turn/tokenization_mismatch": total(sum(t.tokenization_mismatch is not None for t in trajectories)),
     }
     retries = sum(t.tool_retries for t in trajectories)
     if retries:
-        metrics["multi_turn/tool_retries"] = float(retries)
+        metrics["multi_turn/tool_retries"] = total(retries)
     reasons = Counter(t.finish_reason for t in trajectories)
     for reason in FINISH_REASONS:
-        metrics[f"multi_turn/finish/{reason}"] = float(reasons.get(reason, 0))
+        metrics[f"multi_turn/finish/{reason}"] = total(reasons.get(reason, 0))
     errors = sum((t.tool_errors for t in trajectories), Counter())
     for kind, count in errors.items():
-        metrics[f"multi_turn/tool_errors/{kind}"] = float(count)
+        metrics[f"multi_turn/tool_errors/{kind}"] = total(count)
     per_tool: dict[str, list[float]] = {}
     for t in trajectories:
         for name, values in t.tool_metrics:
             for key, value in values.items():
                 per_tool.setdefault(f"multi_turn/tool/{name}/{key}", []).append(float(value))
-    metrics.update({key: sum(v) / len(v) for key, v in per_tool.items()})  # mean over successful calls
+    metrics.update({key: mean(sum(v) / len(v), weight=len(v)) for key, v in per_tool.items()})  # over successful calls
     return metrics
 
 
