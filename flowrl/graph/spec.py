@@ -90,6 +90,8 @@ class OperatorSpec:
     val_params: Mapping[str, Any] = field(default_factory=dict, hash=False)  # parameters set when validating
     dumped: tuple[str, ...] = field(default=())  # fields it reads or writes worth a rollout dump
     state: "StateSpec | None" = None  # state kept across steps (checkpointed, same on every rank)
+    balance_by: str | None = None  # the input whose ones are a row's real tokens: data-parallel balancing
+    group_key: str | None = None  # the input whose equal values mark one group (rows kept on one rank)
 
     def expansion(self, params: Params | None) -> int:
         """How many output rows each input row becomes (``n`` samples per prompt), else 1."""
