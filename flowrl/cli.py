@@ -355,6 +355,10 @@ def _describe_op(name: str) -> None:
         extras.append("updates its role")
     if op.expands:
         extras.append(f"each input row becomes {op.expands!r} rows")
+    if op.balance_by:
+        extras.append(f"data parallel: rows balanced by the real tokens of {op.balance_by}")
+    if op.group_key:
+        extras.append(f"a group is the rows of one {op.group_key}")
     console.print("  ".join(extras))
     fields = Table(box=None, show_header=True, header_style="bold")
     for col in ("", "field", "spec", "note"):

@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch-backed; imported where a batch is built, so declaring
 SOURCE = "data"
 
 #: what a node's rows depend on: itself alone, its group (the rows of one prompt, which share a
-#: ``uid``, verl's key: group-scoped nodes read it), or the whole batch
+#: key, verl's ``uid``: a group-scoped operator declares which input with ``group_key``), or the whole batch
 Scope = Literal["row", "group", "batch"]
 
 SCOPES: tuple[str, ...] = ("row", "group", "batch")
