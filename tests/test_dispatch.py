@@ -8,7 +8,7 @@ import torch
 
 from flowrl.data import DataProto
 from flowrl.data.dispatch import (DISPATCH_MODES, DispatchError, DispatchMode, RowKeys, data_parallel, dispatch_mode,
-                                  get_mode, rank_rows, task_rows)
+                                  TASK_ROWS, get_mode, rank_rows, task_rows)
 from flowrl.graph import operator
 
 NONE = RowKeys()
@@ -86,6 +86,8 @@ def test_balanced_gives_ranks_equal_real_tokens_and_collects_each_task_in_row_or
     # each task's outputs, its ranks concatenated by collect: back in its row order
     outs = [_run_ranks(mode, batch, 2, keys) for batch in tasks]
     assert [task_rows(p).tolist() for p in outs[0]] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    rows, total = mode.split(tasks[0], 1, 2, keys)[0].meta_info[TASK_ROWS]  # for an update's mini-batches
+    assert (rows.tolist(), total) == ([1, 3, 5, 7], 8)
     assert mode.collect(outs[1])["x"].tolist() == [x * 10 for x in range(8, 16)]
     assert "_dispatch_row" not in mode.collect(outs[1]).non_tensor_batch
     with pytest.raises(DispatchError, match="not each row once"):  # a rank's output went missing

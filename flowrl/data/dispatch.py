@@ -160,6 +160,9 @@ def _whole(batch: "DataProto", rank: int, world: int, keys: RowKeys) -> tuple["D
 #: Columns of this prefix belong to the dispatch modes (:func:`narrow` keeps them)
 ROW_INDEX = "_dispatch_row"
 TAG_PREFIX = "_dispatch"
+#: the meta_info key of a balanced part: its rows' places in the task's batch and that batch's row
+#: count, so an update can cut the whole batch's mini-batches from its part
+TASK_ROWS = "task_rows"
 
 
 def real_tokens(batch: "DataProto", tokens: str | None):
@@ -194,8 +197,10 @@ def _balanced_split(keep_groups: bool) -> Callable[["DataProto", int, int, RowKe
 
         if world == 1:
             return batch, None
-        rows = balanced_rows(batch, world, keys, keep_groups)[rank]
-        return batch[rows], np.asarray(rows, dtype=np.int64)
+        rows = np.asarray(balanced_rows(batch, world, keys, keep_groups)[rank], dtype=np.int64)
+        part = batch[rows.tolist()]
+        part.meta_info[TASK_ROWS] = (rows, len(batch))
+        return part, rows
     return split
 
 
@@ -273,6 +278,6 @@ def data_parallel(keep_groups: bool) -> DispatchMode:
     return BALANCED_GROUPS if keep_groups else BALANCED
 
 
-__all__ = ["BALANCED", "BALANCED_GROUPS", "ROW_INDEX", "TAG_PREFIX", "DISPATCH_MODES", "DispatchError", "DispatchMode",
-           "RowKeys", "balanced_rows", "concat_rows", "data_parallel", "dispatch_mode", "get_mode", "narrow",
-           "rank_rows", "real_tokens", "task_rows"]
+__all__ = ["BALANCED", "BALANCED_GROUPS", "ROW_INDEX", "TAG_PREFIX", "TASK_ROWS", "DISPATCH_MODES", "DispatchError",
+           "DispatchMode", "RowKeys", "balanced_rows", "concat_rows", "data_parallel", "dispatch_mode", "get_mode",
+           "narrow", "rank_rows", "real_tokens", "task_rows"]
