@@ -28,6 +28,7 @@ from rich.table import Table
 
 from flowrl.graph import GraphError, REGISTRY, load_graph
 from flowrl.graph.checks import GraphProblem
+from flowrl.runtime.traits import traits_of
 
 app = typer.Typer(
     add_completion=False,
@@ -102,6 +103,7 @@ def _load_checked(ref: str, set_: list[str] | None):
 def validate(
     graph: str = typer.Argument(..., help="graph: file.yaml, file.py, module:graph, or a built-in name"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
+    backend: str = typer.Option("ray", "--backend", help="plan for this backend: ray (default) or local"),
 ) -> None:
     """Check a graph as the run would, without running a step; exit 1 on any error.
 
@@ -112,13 +114,9 @@ def validate(
     report = g.check()
     _print_problems(report.errors, report.warnings)
     if report.ok:
-        from flowrl.runtime.plan import PlanError, make_plan
-
-        try:  # what only placement can tell: row spaces that do not match, more micro-batches than prompts
-            make_plan(g)
-        except PlanError as e:
-            err_console.print(f"[bold red]error[/] [red]\\[plan][/] {_escape(str(e))}")
-            raise typer.Exit(1) from None
+        # what only placement can tell: row spaces that do not match, more micro-batches than prompts,
+        # a data-parallel node with fewer rows than ranks: the plan the run would make
+        _plan(g, backend, "[red]\\[plan][/] ")
     if not report.ok:
         n = len(report.errors)
         err_console.print(f"[bold red]{g.name}: {n} error{'s' if n != 1 else ''}[/]")
@@ -157,21 +155,33 @@ def plan(
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
     measured: Optional[str] = typer.Option(None, "--measured",
                                            help="a run directory: predict with its measured node times"),
+    backend: str = typer.Option("ray", "--backend", help="plan for this backend: ray (default) or local"),
 ) -> None:
     """Show placement, per-pool order, micro-batching, staleness and a predicted timeline."""
-    from flowrl.runtime.plan import PlanError, make_plan
     from visualizer.plan import print_plan
 
     g = _load_checked(graph, set_)
-    try:
-        p = make_plan(g)
-    except PlanError as e:
-        err_console.print(f"[bold red]error[/] {_escape(str(e))}")
-        raise typer.Exit(1) from None
+    p = _plan(g, backend)
     costs = None
     if measured is not None:
         costs = measured_costs(measured, list(g.nodes))
     print_plan(p, console=console, costs=costs)
+
+
+def _plan(g, backend: str, label: str = ""):
+    """The plan the run on ``backend`` would make (what ``run`` calls too), or exit 1 naming why not."""
+    from flowrl.runtime.plan import PlanError, make_plan
+
+    try:
+        traits = traits_of(backend)
+    except ValueError as e:
+        err_console.print(f"[bold red]error[/] --backend: {_escape(str(e))}")
+        raise typer.Exit(2) from None
+    try:
+        return make_plan(g, traits)
+    except PlanError as e:
+        err_console.print(f"[bold red]error[/] {label}{_escape(str(e))}")
+        raise typer.Exit(1) from None
 
 
 def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
@@ -345,6 +355,10 @@ def _describe_op(name: str) -> None:
         extras.append("updates its role")
     if op.expands:
         extras.append(f"each input row becomes {op.expands!r} rows")
+    if op.balance_by:
+        extras.append(f"data parallel: rows balanced by the real tokens of {op.balance_by}")
+    if op.group_key:
+        extras.append(f"a group is the rows of one {op.group_key}")
     console.print("  ".join(extras))
     fields = Table(box=None, show_header=True, header_style="bold")
     for col in ("", "field", "spec", "note"):

@@ -77,8 +77,8 @@ class GRPO(Params):
     epsilon: float = Field(1e-6, gt=0)
 
 
-@operator("advantage.grpo", scope="group", node_name="advantage", params=GRPO, outputs=OUT, aux_outputs=("returns",),
-          inputs=GROUPED, dumped=("uid", "advantages"))
+@operator("advantage.grpo", scope="group", group_key="uid", node_name="advantage", params=GRPO, outputs=OUT,
+          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
 def grpo(batch, p: GRPO):
     """A_i = (r_i − mean(r_group)) / (std(r_group) + ε), broadcast over the response's tokens."""
     adv, ret = grpo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
@@ -86,7 +86,7 @@ def grpo(batch, p: GRPO):
     return _out(adv, ret, batch["response_mask"])
 
 
-@operator("advantage.grpo_passk", scope="group", node_name="advantage", params=GRPO, outputs=OUT,
+@operator("advantage.grpo_passk", scope="group", group_key="uid", node_name="advantage", params=GRPO, outputs=OUT,
           aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
 def grpo_passk(batch, p: GRPO):
     """Only the best sample of each group learns: A = (r_max − r_second) / (std(r_group) + ε)."""
@@ -95,15 +95,15 @@ def grpo_passk(batch, p: GRPO):
     return _out(adv, ret, batch["response_mask"])
 
 
-@operator("advantage.rloo", scope="group", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
-          inputs=GROUPED, dumped=("uid", "advantages"))
+@operator("advantage.rloo", scope="group", group_key="uid", node_name="advantage", outputs=OUT,
+          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
 def rloo(batch, p):
     """A_i = r_i − mean(r_j for the other samples j of the same prompt)."""
     adv, ret = rloo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
     return _out(adv, ret, batch["response_mask"])
 
 
-@operator("advantage.opo", scope="group", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
+@operator("advantage.opo", scope="group", group_key="uid", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
           inputs=GROUPED, dumped=("uid", "advantages"))
 def opo(batch, p):
     """A_i = r_i − Σ_j |y_j| r_j / Σ_j |y_j| over the group (length-weighted baseline)."""
@@ -217,15 +217,15 @@ OTB_INPUTS = {**GROUPED, "old_log_probs": "float32[B, R]", "sum_pi_squared": "fl
               "rollout_is_weights": "float32[B, R]"}
 
 
-@operator("advantage.optimal_token_baseline", scope="group", node_name="advantage", params=OptimalTokenBaseline,
-          outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS, optional_inputs=("rollout_is_weights",),
-          dumped=("uid", "advantages"))
+@operator("advantage.optimal_token_baseline", scope="group", group_key="uid", node_name="advantage",
+          params=OptimalTokenBaseline, outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS,
+          optional_inputs=("rollout_is_weights",), dumped=("uid", "advantages"))
 def optimal_token_baseline(batch, p: OptimalTokenBaseline):
     """A_t = G_t − Σ_g G_t W_t / Σ_g W_t,  W_t = Σ_{j≤t} 1 − 2π_j + Σ_v π_v²  (per group and position)."""
     return _optimal_token_baseline(optimal_token_baseline_advantages, batch, p)
 
 
-@operator("advantage.tir_optimal_token_baseline", scope="group", node_name="advantage",
+@operator("advantage.tir_optimal_token_baseline", scope="group", group_key="uid", node_name="advantage",
           params=OptimalTokenBaseline, outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS,
           optional_inputs=("rollout_is_weights",), dumped=("uid", "advantages"))
 def tir_optimal_token_baseline(batch, p: OptimalTokenBaseline):

@@ -13,7 +13,7 @@ from operators.models import response_values
 
 
 @operator("critic.values", role="critic", scope="row", node_name="values", cost=2.0,
-          inputs=SEQUENCE_IN, outputs={"values": "float32[B, R]"})
+          inputs=SEQUENCE_IN, outputs={"values": "float32[B, R]"}, balance_by="attention_mask")
 def values(critic, batch, p):
     """V(s_t) for every response position t."""
     v = critic.forward(batch, lambda mb: response_values(critic.model, mb["input_ids"], mb["attention_mask"],
@@ -30,7 +30,7 @@ class CriticUpdate(Params):
 
 
 @operator("critic.update", role="critic", scope="batch", dispatch="all", updates_role=True,
-          node_name="update_critic", cost=4.0, params=CriticUpdate,
+          node_name="update_critic", cost=4.0, params=CriticUpdate, balance_by="attention_mask",
           inputs={**SEQUENCE_IN, "response_mask": "int64[B, R]", "values": "float32[B, R]",
                   "returns": "float32[B, R]"}, outputs={})
 def update(critic, batch, p: CriticUpdate):

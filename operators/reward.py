@@ -86,7 +86,7 @@ def _reward_fn_resolves(graph):
 
 
 @operator(
-    "reward.model", role="reward_model", scope="row", node_name="reward_model", cost=2.0,
+    "reward.model", role="reward_model", scope="row", node_name="reward_model", cost=2.0, balance_by="attention_mask",
     inputs={"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]", "position_ids": "int64[B, T]",
             "response_mask": "int64[B, R]"},
     outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),

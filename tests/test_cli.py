@@ -138,6 +138,19 @@ def test_validate_reports_what_only_the_planner_sees():
     assert "schedule.micro_batches=64 is more than data.batch_size=32 prompts" in res.output
 
 
+def test_plan_and_validate_plan_for_the_backend_the_run_uses():
+    # 1 prompt × 2 samples over 4 workers: on ray the update runs data parallel and two ranks would
+    # get no row (refused); on local every thread takes the whole batch (fine)
+    few = ["--set", "pools.train.workers=4", "--set", "pools.train.cpus=0.25", "--set", "data.batch_size=1",
+           "--set", "nodes.generate.n=2"]
+    for command in ("validate", "plan"):
+        ray = invoke(command, "grpo", *few)
+        assert ray.exit_code == 1 and "'update_actor'" in ray.output and "only 2 rows" in ray.output
+        assert invoke(command, "grpo", *few, "--backend", "local").exit_code == 0
+    res = invoke("plan", "grpo", "--backend", "lokal")
+    assert res.exit_code == 2 and "unknown backend 'lokal'" in res.output
+
+
 def test_builtin_graphs_validate_without_warnings():
     for name in ("grpo", "grpo_async", "ppo", "rloo", "reinforce_pp"):
         res = invoke("validate", name)

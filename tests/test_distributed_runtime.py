@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.data import DataProto
-from flowrl.data.dispatch import get_mode, task_rows
+from flowrl.data import DataProto, DataProtoFuture
+from flowrl.data.dispatch import RowKeys, get_mode, task_rows
 from flowrl.graph import REGISTRY, load_graph
 from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.trainer import Trainer
-from flowrl.runtime.worker import Call, ReadSpec, RoleContext
+from flowrl.runtime.worker import Call, RoleContext
 from operators.logprob import SEQUENCE_IN
 from operators.roles import Actor, ActorConfig
 
@@ -69,10 +69,10 @@ def single_process_log_probs(g, actor: Actor, batch: DataProto) -> torch.Tensor:
 
 def balanced_forward_on_ranks(rt: Runtime, batch: DataProto) -> list[DataProto]:
     """``old_logprob`` on ``batch`` as one balanced task of the pool's two ranks: each rank's output."""
-    read = ReadSpec(1, tuple(SEQUENCE_IN), None, 1)
-    shard = rt.backend.put(batch.select(list(SEQUENCE_IN)))
-    handles = [rt.backend.submit("train", r, Call("old_logprob", 1, None, (read,), 0, r, 2, "balanced"), [shard])
-               for r in range(2)]
+    read = DataProtoFuture([rt.backend.put(batch.select(list(SEQUENCE_IN)))])
+    keys = RowKeys(tokens="attention_mask")
+    handles = [rt.backend.submit("train", r, Call("old_logprob", 1, None, read.shape(), 0, r, 2, "balanced", keys),
+                                 read.handles()) for r in range(2)]
     return rt.backend.get_many([data for data, _ in handles])
 
 

@@ -114,6 +114,41 @@ def test_custom_collect_and_bad_shards(remote):
         DataProtoFuture([])
 
 
+def test_a_task_s_read_is_collected_by_its_producer_s_mode_from_its_shape_and_values(remote):
+    """What the runtime hands a task: the future's shape in the call, its handles as top-level
+    arguments (resolved by Ray), collected in the worker by the producer's dispatch mode."""
+    import functools
+
+    from flowrl.data.dispatch import RowKeys, get_mode
+    from flowrl.data.expand import take_rows
+
+    ray, _, _, _ = remote
+    balanced = get_mode("balanced")
+    batch = make(0, 6)
+    # a producer task of two balanced ranks: each returns its rows, tagged as a worker tags them
+    outputs = []
+    for r in (0, 1):
+        part, tags = balanced.split(batch, r, 2, RowKeys())
+        outputs.append(ray.put(balanced.tag(part, tags, 1)))
+    task = DataProtoFuture(outputs, collect_fn=balanced.collect)
+    # a consumer reads its y and uid, rows 2..4, each repeated twice
+    read = DataProtoFuture([task.select(["y", "uid"])],
+                           dispatch_fn=functools.partial(take_rows, rows=(2, 4), repeat=2))
+
+    @ray.remote(num_cpus=0)
+    def run(shape: DataProtoFuture, *values: DataProto) -> DataProto:
+        assert shape.handles() == [None, None]  # nothing to fetch: the values came as arguments
+        return shape.collect(values)
+
+    out = ray.get(run.remote(read.shape(), *read.handles()))
+    assert ids(out) == [2, 2, 3, 3] and out.non_tensor_batch["uid"].tolist() == ["r2", "r2", "r3", "r3"]
+    assert set(out.batch.keys()) == {"y"} and "_dispatch_row" not in out.non_tensor_batch
+    assert ids(read.get()) == [2, 2, 3, 3]  # the driver's get takes the same collect
+    assert "columns=y, uid" in repr(task.select(["y", "uid"]))
+    with pytest.raises(DataProtoError, match="fewer values"):
+        read.shape().collect([])
+
+
 def test_passing_a_future_does_not_make_the_driver_wait(remote):
     ray, produce, consume, actor = remote
     ray.get(actor.__ray_ready__.remote())

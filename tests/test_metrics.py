@@ -56,11 +56,11 @@ def test_reward_extremes_over_micro_batches_are_the_batch_extremes(tmp_path):
     history = Trainer(g, backend="local", steps=2, out=tmp_path).run()
     for row in history:
         lines = (tmp_path / "rollouts" / f"step_{row['step']:06d}.jsonl").read_text().splitlines()
-        scores = [json.loads(line)["score"] for line in lines]
+        scores = [sum(json.loads(line)["token_level_scores"]) for line in lines]
         assert len(scores) == 32
         assert row["reward/max"] == pytest.approx(max(scores))
         assert row["reward/min"] == pytest.approx(min(scores))
         assert row["reward/mean"] == pytest.approx(sum(scores) / len(scores))
     # the micro-batches' maxima differ somewhere, so a mean of them would not be the max
-    per_mb = [max(json.loads(line)["score"] for line in lines[k * 8:(k + 1) * 8]) for k in range(4)]
+    per_mb = [max(sum(json.loads(line)["token_level_scores"]) for line in lines[k * 8:(k + 1) * 8]) for k in range(4)]
     assert len(set(per_mb)) > 1, per_mb

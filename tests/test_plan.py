@@ -6,23 +6,26 @@ import pytest
 import torch
 
 from flowrl.graph import load_graph, operator
+from flowrl.data.dispatch import RowKeys
 from flowrl.runtime.plan import PlanError, make_plan
 from flowrl.runtime.staleness import Gate
+from flowrl.runtime.traits import LOCAL, RAY
 
 SEQUENCE = {"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]"}
 
 
 @operator("test.plan_group_forward", role="actor", role_kinds=("actor",), scope="group", inputs=SEQUENCE,
-          outputs={"group_score": "float32[B]"}, node_name="group_score")
+          outputs={"group_score": "float32[B]"}, node_name="group_score", balance_by="attention_mask")
 def group_forward(actor, batch, p):
-    """A forward pass that needs whole groups, but reads no uid to know them."""
+    """A forward pass that needs whole groups, but declares no key to know them."""
     return {"group_score": torch.zeros(len(batch))}
 
 
 @operator("test.plan_group_forward_uid", role="actor", role_kinds=("actor",), scope="group",
-          inputs={**SEQUENCE, "uid": "object[B]"}, outputs={"group_score": "float32[B]"}, node_name="group_score")
+          inputs={**SEQUENCE, "uid": "object[B]"}, outputs={"group_score": "float32[B]"}, node_name="group_score",
+          balance_by="attention_mask", group_key="uid")
 def group_forward_uid(actor, batch, p):
-    """A forward pass that needs whole groups and reads their uid."""
+    """A forward pass that needs whole groups and declares their key."""
     return {"group_score": torch.zeros(len(batch))}
 
 
@@ -49,9 +52,11 @@ def test_two_workers_split_rows_and_an_update_runs_on_every_rank():
     assert (update.ranks, update.collected, update.dispatch) == ((0, 1), (0, 1), "balanced")
     assert plan.tasks[("advantage", None)].ranks == (0,)  # a driver node runs once
     # threads sharing one process (the local backend) form no group: each rank the whole batch
-    local = make_plan(load_graph("ppo", overrides={"pools.train.workers": 2}), data_parallel=False)
+    local = make_plan(load_graph("ppo", overrides={"pools.train.workers": 2}), LOCAL)
     update = local.tasks[("update_actor", None)]
     assert (update.ranks, update.collected, update.dispatch) == ((0, 1), (0,), "all")
+    # the ranks that gather the update's weights: the whole group on ray, rank 0 alone on threads
+    assert (plan.tasks[("update_actor", None)].gather, update.gather) == (2, 1)
 
 
 def dispatch_of(plan) -> dict[str, str]:
@@ -72,8 +77,14 @@ def test_forward_passes_on_a_data_parallel_pool_balance_real_tokens_and_generati
     # the critic's pool has one worker: its nodes run as declared
     assert (modes["values"], modes["update_critic"]) == ("split", "all")
     # no process group (the local backend): forward passes split as declared
-    local = dispatch_of(make_plan(load_graph("ppo", overrides={"pools.train.workers": 2}), data_parallel=False))
-    assert (local["old_logprob"], local["ref_logprob"]) == ("split", "split")
+    local = make_plan(load_graph("ppo", overrides={"pools.train.workers": 2}), LOCAL)
+    assert (dispatch_of(local)["old_logprob"], dispatch_of(local)["ref_logprob"]) == ("split", "split")
+    assert "local backend's ranks form no process group" in local.dispatch_rules["old_logprob"]
+    # the column that counts real tokens comes from the operator's declaration, renamed as the node renames it
+    assert plan.tasks[("old_logprob", 0)].keys == RowKeys(tokens="attention_mask")
+    renamed = make_plan(load_graph("ppo", overrides={"pools.train.workers": 2,
+                                                     "nodes.old_logprob.inputs": {"attention_mask": "mask2"}}), RAY)
+    assert renamed.tasks[("old_logprob", 0)].keys == RowKeys(tokens="mask2")
 
 
 def test_a_micro_batch_smaller_than_the_pool_keeps_split():
@@ -103,7 +114,8 @@ def test_a_group_scoped_forward_keeps_groups_whole_and_must_read_their_uid():
     plan = make_plan(load_graph("ppo", overrides={**two, "nodes.group_score.op": "test.plan_group_forward_uid"}))
     assert dispatch_of(plan)["group_score"] == "balanced_groups"
     assert "uid groups whole" in plan.dispatch_rules["group_score"]
-    with pytest.raises(PlanError, match="node 'group_score' is group-scoped .* add uid to its inputs"):
+    assert plan.tasks[("group_score", 0)].keys == RowKeys(tokens="attention_mask", groups="uid")
+    with pytest.raises(PlanError, match="node 'group_score' is group-scoped .* declares no group_key"):
         make_plan(load_graph("ppo", overrides={**two, "nodes.group_score.op": "test.plan_group_forward"}))
 
 
@@ -115,7 +127,23 @@ def test_an_update_with_fewer_rows_than_ranks_is_refused_before_it_runs():
         make_plan(g)
     text = str(err.value)
     assert "'update_actor'" in text and "only 2 rows" in text and "pools.train.workers" in text
-    assert make_plan(g, data_parallel=False).tasks[("update_actor", None)].dispatch == "all"  # threads: each rank all rows
+    assert make_plan(g, LOCAL).tasks[("update_actor", None)].dispatch == "all"  # threads: each rank all rows
     # as many rows as ranks is enough
     assert make_plan(load_graph("grpo", overrides={"pools.train.workers": 4, "pools.train.cpus": 0.25,
                                                    "data.batch_size": 2, "nodes.generate.n": 2}))
+
+
+def test_the_plan_carries_role_builds_statefulness_and_the_validation_run():
+    g = load_graph("ppo", overrides={"trainer.val_every": 2, "nodes.kl_reward": {"op": "kl.adaptive_reward"}})
+    plan = make_plan(g, LOCAL)
+    builds = {p.name: [(b.name, b.kind, b.shares, b.frozen) for b in p.roles] for p in plan.pools}
+    # the frozen reference gets a model of its own, built from the actor's settings
+    assert builds == {"train": [("actor", "actor", None, False), ("ref", "actor", None, True)],
+                      "critic": [("critic", "critic", None, False)]}
+    assert plan.tasks[("kl_reward", None)].stateful and not plan.tasks[("advantage", None)].stateful
+    # validation is a second plan: the scoring sub-graph, one micro-batch, no gates, the same backend
+    val = plan.validation
+    assert (val.kind, list(val.graph.nodes), val.micro_batches, val.traits) == ("val", ["generate", "reward"], 1, LOCAL)
+    assert val.validation is None and not any(t.gates for t in val.tasks.values())
+    assert plan.runs() == [plan, val] and plan.driver
+    assert make_plan(load_graph("ppo")).validation is None  # trainer.val_every: 0

@@ -11,11 +11,21 @@ import time
 
 import pytest
 
-from flowrl.graph import load_graph
+import torch
+
+from flowrl.graph import load_graph, operator
+from flowrl.graph.problems import SchemaError
 from flowrl.runtime.trainer import Trainer
 from flowrl.runtime.validation import validation_graph
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
+
+
+@operator("test.unscored_reward", inputs={"responses": "int64[B, R]"},
+          outputs={"token_level_scores": "float32[B, R]"}, node_name="reward")
+def unscored_reward(batch, p):
+    """Writes token_level_scores but declares no score: nothing in the graph scores for validation."""
+    return {"token_level_scores": torch.zeros(batch["responses"].shape)}
 
 
 def test_validation_graph_is_the_greedy_scoring_subgraph():
@@ -23,6 +33,22 @@ def test_validation_graph_is_the_greedy_scoring_subgraph():
     assert list(val.nodes) == ["generate", "reward"]
     assert val.nodes["generate"].params.n == 1 and val.nodes["generate"].params.greedy is True
     assert val.check().ok
+
+
+def test_validate_and_the_trainer_use_one_rule_for_what_scores(tmp_path):
+    # a field named like a reward is not a score: the operator's declaration is
+    g = load_graph("grpo", overrides={**TINY, "trainer.val_every": 2, "nodes.reward": {"op": "test.unscored_reward"}})
+    (problem,) = g.check().of(SchemaError)
+    assert "trainer.val_every" in str(problem) and "declares a score" in str(problem)
+    with pytest.raises(Exception, match="declares a score"):
+        Trainer(g, backend="local", steps=1, out=tmp_path, say=lambda m: None)
+    # a reward renamed to another field still scores, and validation runs on it
+    renamed = load_graph("grpo", overrides={**TINY, "trainer.val_every": 1,
+                                            "nodes.reward.outputs": {"token_level_scores": "score"},
+                                            "nodes.advantage.inputs": {"token_level_rewards": "score"}})
+    assert renamed.check().ok
+    rows = Trainer(renamed, backend="local", steps=1, out=tmp_path / "renamed", say=lambda m: None).run()
+    assert 0.0 <= rows[0]["val/reward/mean"] <= 1.0
 
 
 def test_val_metrics_every_n_steps_and_rollout_dumps(tmp_path):
@@ -36,8 +62,10 @@ def test_val_metrics_every_n_steps_and_rollout_dumps(tmp_path):
     assert dumps == ["step_000001.jsonl", "step_000002.jsonl", "step_000003.jsonl"]
     samples = [json.loads(x) for x in (tmp_path / "rollouts" / "step_000002.jsonl").read_text().splitlines()]
     assert len(samples) == 4 * 2
-    assert samples[0]["prompt"].startswith("copy ") and samples[0]["uid"] == samples[1]["uid"] == "1-0"
-    assert {"response", "score", "advantage", "weight_version"} <= set(samples[0])
+    # the columns the graph's operators declare dumped, by type: token ids as text, [B] as numbers
+    assert set(samples[0]) == {"prompts", "responses", "weight_version", "token_level_scores", "uid", "advantages"}
+    assert samples[0]["prompts"].startswith("copy ") and samples[0]["uid"] == samples[1]["uid"] == "1-0"
+    assert isinstance(samples[0]["responses"], str) and len(samples[0]["token_level_scores"]) == 4  # max_new_tokens
     assert all(s["weight_version"] == 1 for s in samples)
 
 

@@ -29,13 +29,16 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
     colors[DRIVER] = "white"
     parts: list[Any] = []
 
-    place = Table(title=f"placement — {g.name}", title_justify="left", expand=False)
+    place = Table(title=f"placement — {g.name} on the {plan.traits.name} backend", title_justify="left",
+                  expand=False)
     for col in ("pool", "workers", "per worker", "roles (one process)", "nodes"):
         place.add_column(col, overflow="fold")
-    for pool, cfg in g.config.pools.items():
-        per = f"{cfg.cpus:g} CPU" + (f", {cfg.gpus:g} GPU" if cfg.gpus else "")
-        nodes = [n for n in g.nodes if plan.pool_of(n) == pool]
-        place.add_row(Text(pool, style=colors[pool]), str(cfg.workers), per, ", ".join(cfg.roles), ", ".join(nodes))
+    for spec in plan.pools:
+        per = f"{spec.cpus:g} CPU" + (f", {spec.gpus:g} GPU" if spec.gpus else "")
+        nodes = [n for n in g.nodes if plan.pool_of(n) == spec.name]
+        roles = ", ".join(b.name + (f" (shares {b.shares})" if b.shares else " (frozen copy)" if b.frozen else "")
+                          for b in spec.roles)
+        place.add_row(Text(spec.name, style=colors[spec.name]), str(spec.workers), per, roles, ", ".join(nodes))
     driver_nodes = [n for n in g.nodes if plan.pool_of(n) == DRIVER]
     if driver_nodes:
         place.add_row(Text(DRIVER, style="white"), "-", "0 CPU", "-", ", ".join(driver_nodes))
@@ -71,6 +74,12 @@ def render_plan(plan: Plan, costs: dict[str, float] | None = None, width: int = 
         move = "moves weights across pools" if g.pool_of(e.src) != g.pool_of(e.dst) else "same process, no copy"
         stale.append(f"  {e.src} ⇢ {e.dst} (role {e.role}, staleness {e.staleness}: {move})\n")
     parts.append(stale)
+
+    if plan.validation is not None:
+        val = plan.validation
+        parts.append(Text(f"validation (a second plan, queued behind a step): {', '.join(val.graph.nodes)} on "
+                          f"held-out prompts, one micro-batch, " + "; ".join(
+                              f"{n} {t.dispatch}" for n, t in ((t.node, t) for t in val.tasks.values())), style="dim"))
 
     sim = plan.simulate(costs)
     parts.append(render_gantt(plan, sim, colors, width=width))

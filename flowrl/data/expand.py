@@ -56,10 +56,19 @@ def expand_rows(rows: Rows, factor: int) -> Rows:
     return rows.repeat(factor, interleave=True)
 
 
+def take_rows(batch: "DataProto", rows: tuple[int, int] | None = None, repeat: int = 1) -> "DataProto":
+    """Rows ``[lo, hi)`` of ``batch`` (all when ``rows`` is None), each repeated ``repeat`` times:
+    what a consumer reads of a producer in another row space (a streamed slice of a barrier's
+    output, prompt columns reaching the samples of each prompt)."""
+    if rows is not None:
+        batch = batch[rows[0] : rows[1]]
+    return expand_rows(batch, repeat)
+
+
 def check_rows(node: str, rows_in: int, factor: int, rows_out: int) -> None:
     """Raise :class:`RowCountError` unless ``rows_out == rows_in * factor``."""
     if rows_out != rows_in * factor:
         raise RowCountError(node, rows_in * factor, rows_out)
 
 
-__all__ = ["RowCountError", "check_rows", "expand_rows"]
+__all__ = ["RowCountError", "check_rows", "expand_rows", "take_rows"]

@@ -339,11 +339,13 @@ def _check_run_settings(graph: Graph, add) -> None:
                     fix=(f"did you mean {near[0]!r}? " if near else "")
                     + f"staleness is keyed by updated roles: {', '.join(updated) or '(none in this graph)'}",
                 ))
-    if graph.config.trainer.val_every and "token_level_scores" not in graph.producers():
+    if graph.config.trainer.val_every and graph.scorer() is None:
         add(SchemaError(
-            "trainer.val_every asks for validation, but no node scores responses (produces token_level_scores)",
+            "trainer.val_every asks for validation, but no node scores responses (no node's operator "
+            "declares a score output)",
             location=graph.locate("trainer", "val_every"),
-            fix="add a reward node, or set trainer.val_every: 0",
+            fix="add a reward node (its operator declares @operator(..., score='<output>')), or set "
+                "trainer.val_every: 0",
         ))
 
 

@@ -115,6 +115,8 @@ def operator(
     val_params: Mapping[str, Any] | None = None,
     dumped: tuple[str, ...] = (),
     state: StateSpec | None = None,
+    balance_by: str | None = None,
+    group_key: str | None = None,
     register: bool = True,
 ) -> Callable[[Callable[..., Any]], Operator]:
     """Declare (and register) an operator; see the module docstring.
@@ -134,6 +136,11 @@ def operator(
     ``val_params`` are parameters set when the node runs in validation
     (``{"greedy": True}``); ``dumped`` are fields it reads or writes that belong in a rollout dump.
     ``state`` declares state kept across steps (see :class:`StateSpec`).
+    ``balance_by`` names the input whose ones count a row's real tokens
+    (``attention_mask``): on a pool whose ranks form a process group, the plan
+    runs the node data parallel with rows balanced by it. ``group_key`` names
+    the input whose equal values mark one group (``uid``): a group-scoped node
+    run data parallel keeps each group on one rank.
     """
     if scope not in SCOPES:
         raise OperatorDeclarationError(f"operator {name!r}: scope must be one of {SCOPES}, not {scope!r}")
@@ -157,6 +164,9 @@ def operator(
     if unknown_val:
         raise OperatorDeclarationError(f"operator {name!r}: val_params names {', '.join(unknown_val)}, "
                                        f"which are not its parameters")
+    for what, key in (("balance_by", balance_by), ("group_key", group_key)):
+        if key is not None and key not in (inputs or {}):
+            raise OperatorDeclarationError(f"operator {name!r}: {what}={key!r} is not one of its inputs")
     if updates_role and not role:
         raise OperatorDeclarationError(f"operator {name!r}: updates_role needs a role")
 
@@ -191,6 +201,8 @@ def operator(
             val_params=dict(val_params or {}),
             dumped=tuple(dumped),
             state=state,
+            balance_by=balance_by,
+            group_key=group_key,
         )
         if register:
             REGISTRY.add_operator(spec)

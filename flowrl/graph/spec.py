@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # torch-backed; imported where a batch is built, so declaring
 SOURCE = "data"
 
 #: what a node's rows depend on: itself alone, its group (the rows of one prompt, which share a
-#: ``uid``, verl's key: group-scoped nodes read it), or the whole batch
+#: key, verl's ``uid``: a group-scoped operator declares which input with ``group_key``), or the whole batch
 Scope = Literal["row", "group", "batch"]
 
 SCOPES: tuple[str, ...] = ("row", "group", "batch")
@@ -91,6 +91,8 @@ class OperatorSpec:
     val_params: Mapping[str, Any] = field(default_factory=dict, hash=False)  # parameters set when validating
     dumped: tuple[str, ...] = field(default=())  # fields it reads or writes worth a rollout dump
     state: "StateSpec | None" = None  # state kept across steps (checkpointed, same on every rank)
+    balance_by: str | None = None  # the input whose ones are a row's real tokens: data-parallel balancing
+    group_key: str | None = None  # the input whose equal values mark one group (rows kept on one rank)
 
     def expansion(self, params: Params | None) -> int:
         """How many output rows each input row becomes (``n`` samples per prompt), else 1."""

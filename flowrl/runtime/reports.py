@@ -8,7 +8,7 @@ makespan, its lower bounds (critical path, busiest pool) and per-node timings.
 
 Example::
 
-    metrics, makespan, bound = step_metrics(plan, infos, prefix="", submitted_at=t0)
+    metrics, makespan, bound = step_metrics(plan, infos, submitted_at=t0)
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from typing import Any
 
 from flowrl.data import DataProto
 from flowrl.data.metrics import Reduction
-from flowrl.runtime.plan import Plan, bounds_of, pool_work
+from flowrl.runtime.plan import Plan
+from flowrl.runtime.simulate import bounds_of, pool_work
 from flowrl.runtime.worker import Info
 
 TaskKey = tuple[str, int | None]
@@ -42,13 +43,13 @@ class StepResult:
         return self.lower_bound / self.makespan if self.makespan > 0 else 1.0
 
 
-def step_metrics(plan: Plan, infos: list[Info], prefix: str, submitted_at: float) -> tuple[dict[str, float], float, float]:
-    """``(metrics, makespan, lower bound)`` of one step from its task reports."""
+def step_metrics(plan: Plan, infos: list[Info], submitted_at: float) -> tuple[dict[str, float], float, float]:
+    """``(metrics, makespan, lower bound)`` of one run of ``plan`` (a step, or validation) from its task reports."""
     reduction = Reduction()
     durations: dict[TaskKey, float] = {}
     timing: dict[str, float] = {}
     for info in infos:
-        key = (info.node[len(prefix):], info.mb)
+        key = (info.node, info.mb)
         durations[key] = max(durations.get(key, 0.0), info.end - info.start)
         if info.rank not in plan.tasks[key].collected:
             continue  # a rank repeating rank 0's computation (dispatch "all")
@@ -67,7 +68,7 @@ def step_metrics(plan: Plan, infos: list[Info], prefix: str, submitted_at: float
     metrics["scheduler/critical_path"] = critical
     metrics["scheduler/efficiency"] = bound / makespan if makespan > 0 else 1.0
     g = plan.graph
-    versions = [i.version for i in infos if i.version is not None and g.nodes[i.node[len(prefix):]].op.role]
+    versions = [i.version for i in infos if i.version is not None and g.nodes[i.node].op.role]
     if g.state_edges and versions:
         metrics["scheduler/min_weight_version"] = float(min(versions))
     return metrics, makespan, bound

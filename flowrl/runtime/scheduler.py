@@ -32,15 +32,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from flowrl.data import DataProto, DataProtoFuture
-from flowrl.graph import REGISTRY, Graph
-from flowrl.runtime.backends import DRIVER, Backend, PoolSpec, describe_death, make_backend
+from flowrl.data.dispatch import get_mode
+from flowrl.graph import Graph
+from flowrl.runtime.backends import Backend, describe_death, make_backend
 from flowrl.runtime.errors import NodeError, RuntimeFailure, WorkerDiedError
 from flowrl.runtime.plan import Plan, Task, make_plan
+from flowrl.runtime.reads import fetched, task_input
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
 from flowrl.runtime.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
 from flowrl.runtime.watchdog import check_timeouts
-from flowrl.runtime.worker import Call, Info, NodeEntry, ReadSpec, RoleBuild, assemble
+from flowrl.runtime.worker import Call, Info, NodeEntry
 
 TaskKey = tuple[str, int | None]
 
@@ -51,13 +53,12 @@ class DataSourceMismatch(RuntimeFailure):
 
 @dataclass
 class _Step:
-    """A submitted step: its tasks' output futures and report handles."""
+    """A submitted run of a plan on one batch (a training step, or validation after it):
+    its tasks' output futures and report handles."""
 
     step: int
     submitted_at: float
-    graph: Graph
     plan: Plan
-    prefix: str = ""  # "" for training steps, "val:" for validation
     src: Any = None  # the handle of the step's source batch
     snapshot: dict[str, Any] | None = None  # checkpoint handles queued right after this step
     validation: "_Step | None" = None  # a validation run queued right behind this step
@@ -79,26 +80,25 @@ class Runtime:
         fetch: Iterable[str] = (),
         poll_s: float = 0.05,
         on_progress: Callable[[int, dict[str, str]], None] | None = None,
-        validation: Graph | None = None,
         stage: Callable[[int], Path] | None = None,
     ) -> None:
         """``stage(step)``: the directory where the ranks of a sharded role write its shards for
         step ``step``'s checkpoint (a :class:`~flowrl.runtime.checkpoint.CheckpointStore`'s
-        staging directory); default: one under the system's temporary directory."""
+        staging directory); default: one under the system's temporary directory. The plan
+        is made for the backend's traits; with ``trainer.val_every`` it carries the
+        validation plan, run by the same loop."""
         graph.check(resources=resources).raise_if_errors()
         self.graph = graph
         self.backend = make_backend(backend, address) if isinstance(backend, str) else backend
-        dp = self.backend.process_groups
-        self.plan: Plan = make_plan(graph, data_parallel=dp)
-        self.val_graph = validation
-        self.val_plan = make_plan(validation, micro_batches=1, data_parallel=dp) if validation is not None else None
+        self.plan: Plan = make_plan(graph, self.backend.traits)
         self.timeline = Timeline()
         self.fetch = tuple(fetch)
         self.poll_s = poll_s
         self.on_progress = on_progress
         self.max_staleness = max((e.staleness for e in graph.state_edges), default=0)
         self.versions = Versions(self.max_staleness, self.backend.call, lambda: self.backend.put(None))
-        self._op_state: dict[str, Any] = {}  # stateful node → handle of its latest state (a report)
+        # per plan: stateful node → handle of its latest state (a report)
+        self._op_state: dict[str, dict[str, Any]] = {p.kind: {} for p in self.plan.runs()}
         self._last_step_end: float | None = None
         self._worker_free: dict[tuple[str, int], float] = {}  # when each worker last finished a task
         self._stop = False
@@ -110,49 +110,11 @@ class Runtime:
     def start(self) -> "Runtime":
         if self._started:
             return self
-        g = self.graph
-        nodes = _entries(g)
-        plans = [self.plan]
-        if self.val_graph is not None:
-            nodes.update(_entries(self.val_graph, prefix="val:"))
-            plans.append(self.val_plan)
-        pools = [PoolSpec(name, cfg.workers, cfg.cpus, cfg.gpus, self._role_builds(cfg.roles), cfg.backend,
-                          cfg.timeout_s)
-                 for name, cfg in g.config.pools.items()]
+        nodes = {p.kind: _entries(p.graph) for p in self.plan.runs()}
         # no idle driver process when every node runs in a pool
-        driver = any(t.pool == DRIVER for p in plans for t in p.tasks.values())
-        self.backend.start(pools, nodes, g.config.trainer.seed, driver=driver)
+        self.backend.start(self.plan.pools, nodes, self.graph.config.trainer.seed, driver=self.plan.driver)
         self._started = True
         return self
-
-    def _role_builds(self, names: list[str]) -> list[RoleBuild]:
-        g = self.graph
-        roles = g.config.roles
-        builds: list[RoleBuild] = []
-        done: set[str] = set()
-
-        def root(name: str) -> str:
-            while roles[name].from_ is not None:
-                name = roles[name].from_
-            return name
-
-        def add(name: str) -> None:
-            if name in done:
-                return
-            cfg = roles[name]
-            kind = g.role_kinds[name]
-            rk = REGISTRY.role_kind(kind)
-            if cfg.from_ is not None and cfg.from_ in names and not cfg.frozen:
-                add(cfg.from_)
-                builds.append(RoleBuild(name, kind, rk.factory, None, shares=cfg.from_))
-            else:
-                settings = rk.config.model_validate(roles[root(name)].settings)
-                builds.append(RoleBuild(name, kind, rk.factory, settings, frozen=cfg.frozen))
-            done.add(name)
-
-        for n in names:
-            add(n)
-        return builds
 
     # ------------------------------------------------------------------ running
     def run(
@@ -172,7 +134,7 @@ class Runtime:
         already submitted, are not in it), the data position after that step's
         batch (when ``batches`` has a ``state_dict``), the operator states and the
         weights that in-flight steps will still load. ``validate(step)`` says after
-        which steps the validation graph runs on the next of ``val_batches`` (its
+        which steps the validation plan runs on the next of ``val_batches`` (its
         metrics come back as ``val/...``). :meth:`request_stop` ends the run after
         the steps already submitted.
         """
@@ -185,13 +147,12 @@ class Runtime:
         try:
             while t < end or in_flight:
                 while t < end and not self._stop and len(in_flight) < window(self.max_staleness):
-                    st = self._submit_step(t, next(source), self.graph, self.plan)
+                    st = self._submit_step(t, next(source), self.plan)
                     if checkpoint is not None and checkpoint(t):
                         st.snapshot = self._queue_snapshot(t, batches)
-                    if validate is not None and self.val_plan is not None and validate(t):
+                    if validate is not None and self.plan.validation is not None and validate(t):
                         assert val_batches is not None, "validate needs val_batches"
-                        st.validation = self._submit_step(t, next(val_batches), self.val_graph, self.val_plan,
-                                                          "val:")
+                        st.validation = self._submit_step(t, next(val_batches), self.plan.validation)
                     in_flight.append(st)
                     t += 1
                 if not in_flight:
@@ -215,52 +176,51 @@ class Runtime:
         return next(self.run([batch], steps=1, start_step=step))
 
     # ------------------------------------------------------------------ submitting
-    def _submit_step(self, t: int, batch: DataProto, graph: Graph, plan: Plan, prefix: str = "") -> _Step:
-        problems = batch.check_fields(graph.source_fields)
+    def _submit_step(self, t: int, batch: DataProto, plan: Plan) -> _Step:
+        problems = batch.check_fields(plan.graph.source_fields)
         if problems:
             raise DataSourceMismatch(f"step {t + 1}: the data source's batch does not match the columns it declares: "
                                      + "; ".join(problems))
-        st = _Step(t, time.time(), graph, plan, prefix, src=self.backend.put(batch))
+        st = _Step(t, time.time(), plan, src=self.backend.put(batch))
         for key in plan.order:
             self._submit_task(st, plan.tasks[key])
         return st
 
     def _submit_task(self, st: _Step, task: Task) -> None:
         """Submit one task of step ``st`` on every rank its dispatch mode runs it on."""
-        t, prefix = st.step, st.prefix
-        futures = [DataProtoFuture.concat([DataProtoFuture([st.src]) if k[0] == "data" else st.outputs[k]
-                                           for k in r.srcs]) for r in task.reads]
-        reads = tuple(ReadSpec(len(f.futures), r.fields, r.rows, r.repeat) for f, r in zip(futures, task.reads))
-        shards = [h for f in futures for h in f.futures]
+        t, kind = st.step, st.plan.kind
+        read = task_input(task, st.src, st.outputs)
+        shards = read.handles() if read is not None else []
+        shape = read.shape() if read is not None else None
         read_srcs = {k for r in task.reads for k in r.srcs}
         # after: and role-order edges carry no data; their tasks still must finish first
         order_gates = [st.first_report[d] for d in sorted(task.deps - read_srcs, key=str)]
-        gates = task.gates if not prefix else ()
-        stateful = st.graph.nodes[task.node].op.state is not None
-        state = [self._op_state.get(prefix + task.node) or self.backend.put(None)] if stateful else []
+        op_state = self._op_state[kind]
+        state = [op_state.get(task.node) or self.backend.put(None)] if task.stateful else []
         outputs: dict[int, Any] = {}
         for rank in task.ranks:
             waits = list(order_gates)
-            for gate in gates:
+            for gate in task.gates:
                 found = self.versions.gate(gate, t, task.pool, rank)
                 if found is not None:
                     waits.append(found[0])
                     if found[1] is not None:
                         st.reports[found[1]] = (None, task.pool, rank)
-            min_version = max((g.min_version(t) for g in gates), default=None)
-            call = Call(prefix + task.node, t, task.mb, reads, len(waits), rank, task.world, task.dispatch,
-                        task.factor, min_version, stateful)
+            min_version = max((g.min_version(t) for g in task.gates), default=None)
+            call = Call(task.node, t, task.mb, shape, len(waits), rank, task.world, task.dispatch, task.keys,
+                        task.factor, min_version, task.stateful, kind)
             data, report = self.backend.submit(task.pool, rank, call, waits + state + shards)
             st.reports[report] = (task.key, task.pool, rank)
             if rank in task.collected:
                 outputs[rank] = data
             st.first_report.setdefault(task.key, report)
-        st.outputs[task.key] = DataProtoFuture([outputs[r] for r in task.collected])
-        if stateful:  # the next task of this node starts from its first rank's state after this one
-            self._op_state[prefix + task.node] = st.first_report[task.key]
-        if task.updates is not None and not prefix:
-            self.versions.updated(task.updates, t, task.pool, st.first_report[task.key], task.publishes,
-                                  task.world if self.backend.process_groups else 1)
+        # what consumers read: the collected ranks' outputs, merged by the task's dispatch mode
+        st.outputs[task.key] = DataProtoFuture([outputs[r] for r in task.collected],
+                                               collect_fn=get_mode(task.dispatch).collect)
+        if task.stateful:  # the next task of this node starts from its first rank's state after this one
+            op_state[task.node] = st.first_report[task.key]
+        if task.updates is not None:
+            self.versions.updated(task.updates, t, task.pool, st.first_report[task.key], task.publishes, task.gather)
 
     # ------------------------------------------------------------------ waiting
     def _finish(self, st: _Step) -> StepResult:
@@ -268,12 +228,13 @@ class Runtime:
         ended: dict[TaskKey, float] = {}
         infos: list[Info] = []
         label = self.backend.worker_label
+        training = st.plan.kind == "train"  # validation reports no progress and moves no weight version
         while pending:
             done = self.backend.wait_reports(list(pending), timeout=self.poll_s)
             for h, outcome in done:
                 key, pool, rank = pending.pop(h)
                 if isinstance(outcome, BaseException):
-                    if self.on_progress is not None and key is not None and not st.prefix:
+                    if self.on_progress is not None and key is not None and training:
                         self.on_progress(st.step, {**node_states(st.plan, ended), key[0]: "failed"})
                     raise self._failure(outcome, st.step, key, pool, rank) from None
                 info: Info = outcome
@@ -282,16 +243,16 @@ class Runtime:
                     infos.append(info)
                 self._worker_free[(pool, rank)] = max(self._worker_free.get((pool, rank), 0.0), info.end)
                 self.timeline.add(info)
-            if done and self.on_progress is not None and not st.prefix:
+            if done and self.on_progress is not None and training:
                 self.on_progress(st.step, node_states(st.plan, ended))
-            check_timeouts(st.step, st.plan, st.graph, pending, ended, st.submitted_at, self._worker_free, label)
-        if not st.prefix:
+            check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free, label)
+        if training:
             self.versions.finished(st.step)
-        metrics, makespan, bound = step_metrics(st.plan, infos, st.prefix, st.submitted_at)
-        if not st.prefix:
+        metrics, makespan, bound = step_metrics(st.plan, infos, st.submitted_at)
+        if training:
             extra, self._last_step_end = pipeline_metrics(st.plan, infos, self._last_step_end)
             metrics.update(extra)
-        data = self._collect(st) if self.fetch and not st.prefix else None
+        data = self._collect(st) if self.fetch and training else None
         result = StepResult(st.step, metrics, infos, makespan, bound, data)
         if st.snapshot is not None:
             result.checkpoint = self._resolve_snapshot(st.snapshot)
@@ -316,23 +277,8 @@ class Runtime:
     def _collect(self, st: _Step) -> DataProto:
         """The fetched fields of a step, at the finest row space among them
         (prompt-level columns repeated to sample rows, as a consumer sees them)."""
-        producers = self.graph.producers()
-        spaces = self.plan.spaces
-        target = max((spaces[producers[f][0]] for f in self.fetch), key=lambda sp: sp.factor)
-        by_node: dict[str, list[str]] = {}
-        for f in self.fetch:
-            by_node.setdefault(producers[f][0], []).append(f)
-        futures: list[DataProtoFuture] = []
-        reads: list[ReadSpec] = []
-        for node, fields in by_node.items():
-            if node == "data":
-                fut = DataProtoFuture([st.src])
-            else:
-                keys = sorted((k for k in st.outputs if k[0] == node), key=lambda k: k[1] or 0)
-                fut = DataProtoFuture.concat([st.outputs[k] for k in keys])
-            futures.append(fut)
-            reads.append(ReadSpec(len(fut.futures), tuple(fields), None, target.factor // spaces[node].factor))
-        return assemble([self.backend.get(h) for f in futures for h in f.futures], tuple(reads))
+        fut = fetched(self.plan, self.fetch, st.src, st.outputs)
+        return fut.collect(self.backend.get_many(fut.handles()))
 
     # ------------------------------------------------------------------ checkpoints
     def _queue_snapshot(self, t: int, source: Any) -> dict[str, Any]:
@@ -345,7 +291,7 @@ class Runtime:
             "source": source.state_dict() if hasattr(source, "state_dict") else None,
             # weights already fetched for steps still to come (staleness >= 1)
             "weights": self.versions.in_flight_weights(t),
-            "operator_state": {n: h for n, h in self._op_state.items() if not n.startswith("val:")},
+            "operator_state": dict(self._op_state["train"]),
         }
 
     def _worker_keys(self) -> list[tuple[str, int]]:
@@ -385,7 +331,7 @@ class Runtime:
             self.backend.get(h)
         # updates before the checkpoint are done: same-pool gates for them are satisfied
         self.versions.restore(payload["step"], {k: self.backend.put(w) for k, w in payload["weights"].items()})
-        self._op_state = {n: self.backend.put(s) for n, s in payload.get("operator_state", {}).items()}
+        self._op_state["train"] = {n: self.backend.put(s) for n, s in payload.get("operator_state", {}).items()}
 
     def close(self) -> None:
         if self._started:
@@ -399,10 +345,10 @@ class Runtime:
         self.close()
 
 
-def _entries(graph: Graph, prefix: str = "") -> dict[str, NodeEntry]:
-    """What workers need to run each node of ``graph`` (keys prefixed for a validation graph)."""
+def _entries(graph: Graph) -> dict[str, NodeEntry]:
+    """What workers need to run each node of ``graph``."""
     return {
-        prefix + n: NodeEntry(node.op, node.params, node.role,
+        n: NodeEntry(node.op, node.params, node.role,
                               inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
                               outputs=dict(node.config.outputs), name=n)
         for n, node in graph.nodes.items()

@@ -28,7 +28,6 @@ Example::
 
 from __future__ import annotations
 
-import json
 import signal
 import threading
 import time
@@ -40,10 +39,10 @@ import yaml
 from flowrl.graph import REGISTRY, Graph
 from flowrl.runtime.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
                                        fingerprint, worker_counts)
+from flowrl.runtime.dumps import graph_fields, write_rollouts
 from flowrl.runtime.rundir import RunDirectory
 from flowrl.runtime.scheduler import Runtime, StepResult
 from flowrl.runtime.sinks import open_sinks, read_metrics
-from flowrl.runtime.validation import validation_graph
 
 #: task records kept in the driver when no trace is written (a few steps' worth: memory stays flat)
 TIMELINE_RECORDS = 1_000
@@ -74,22 +73,20 @@ class Trainer:
         self.out = Path(out or cfg.trainer.out or f"runs/{cfg.name}")
         self.trace = Path(trace) if trace else None
         self.on_step = on_step
-        self.val_graph = validation_graph(graph) if cfg.trainer.val_every else None
-        if cfg.trainer.val_every and self.val_graph is None:
-            raise ValueError("trainer.val_every needs a node whose operator declares a score (a reward): declare "
-                             "it with @operator(..., score='<output>'), or set trainer.val_every: 0")
         # the fields the graph's operators declare worth dumping (dumped=...)
         producers = graph.producers()
         fetch = [f for f in graph.dumped_fields() if f in producers] if cfg.trainer.dump_rollouts else []
         self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
+        # the plan carries the validation run when trainer.val_every asks (the check refused a graph
+        # that scores nothing)
         self.runtime = Runtime(graph, backend=backend, address=address, on_progress=on_progress,
-                               validation=self.val_graph, fetch=fetch, stage=self.store.stage)
+                               fetch=fetch, stage=self.store.stage)
         kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
         spec = REGISTRY.source(kind)
         data_cfg = spec.config.model_validate(cfg.data.dump())
         self.source = spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles)
         self.val_source = (spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles, split="val")
-                           if self.val_graph is not None else None)
+                           if self.runtime.plan.validation is not None else None)
         self.history: list[dict[str, float]] = []
         self.history_limit = history_limit
         if self.trace is None:
@@ -215,31 +212,11 @@ class Trainer:
         return step + 1
 
     def _dump(self, result: StepResult) -> None:
-        """Write the step's samples as JSONL: prompt and response text, score, advantage."""
-        data = result.data
-        decode = getattr(self.source, "decode", None)
-        cols = set(data.batch.keys()) if data.batch is not None else set()
+        """Write the step's samples as JSONL: the columns the graph's operators declare ``dumped``."""
         path = self.out / "rollouts" / f"step_{result.step + 1:06d}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("w") as f:
-            for i in range(len(data)):
-                row: dict[str, Any] = {}
-                if "uid" in data.non_tensor_batch:
-                    row["uid"] = str(data.non_tensor_batch["uid"][i])
-                for name in ("prompts", "responses"):
-                    if name in cols:
-                        ids = data.batch[name][i]
-                        if name == "responses" and "response_mask" in cols:
-                            ids = ids[data.batch["response_mask"][i].bool()]
-                        ids = ids.tolist()
-                        row[name[:-1]] = decode(ids) if decode else ids
-                if "token_level_scores" in cols:
-                    row["score"] = float(data.batch["token_level_scores"][i].sum())
-                if "advantages" in cols:
-                    row["advantage"] = float(data.batch["advantages"][i][0])
-                if "weight_version" in cols:
-                    row["weight_version"] = int(data.batch["weight_version"][i])
-                f.write(json.dumps(row) + "\n")
+        fields = graph_fields(self.graph)
+        dumped = {n: fields[n] for n in self.runtime.fetch}
+        write_rollouts(path, result.data, dumped, getattr(self.source, "decode", None))
 
     def _truncate_metrics(self, keep_through: int) -> None:
         """Drop metric rows written after the checkpoint (those steps run again, identically), and nothing else."""

@@ -1,12 +1,15 @@
 """A worker: one process of a pool, hosting every role of that pool (colocation).
 
 The worker owns the role objects (models, optimizers) and runs a task in three
-steps: **assemble** its input from the upstream shards it was handed (as the
-plan's reads say: columns, rows, repeat factor), and take its rank's part (the
-task's dispatch mode); **run** the operator, checking it returned its input
-rows times its declared expansion; **report** what happened (start, end,
-weight version, metrics, operator state). The same class runs in-process
-(local backend) and as a Ray actor (ray backend).
+steps: **assemble** its input — the task's read is a
+:class:`~flowrl.data.DataProtoFuture` whose shape comes in the :class:`Call` and
+whose shards come resolved as arguments; collecting it runs each producer's
+collect (its dispatch mode) and takes the columns, rows and repeat factor the
+plan's reads say — and take its rank's part (the task's dispatch mode's split);
+**run** the operator, checking it returned its input rows times its declared
+expansion, and let the mode tag the output for its collect; **report** what
+happened (start, end, weight version, metrics, operator state). The same class
+runs in-process (local backend) and as a Ray actor (ray backend).
 """
 
 from __future__ import annotations
@@ -17,13 +20,13 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowrl.data import DataProto
-from flowrl.data.dispatch import ROW_INDEX, get_mode, in_row_order
-from flowrl.data.expand import RowCountError, check_rows, expand_rows
-from flowrl.data.padding import concat_padded
+from flowrl.data import DataProto, DataProtoFuture
+from flowrl.data.dispatch import RowKeys, get_mode
+from flowrl.data.expand import RowCountError, check_rows
 from flowrl.graph import OperatorSpec, Params
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
+from flowrl.runtime.pools import RoleBuild
 
 
 @dataclass(frozen=True)
@@ -42,19 +45,6 @@ class RoleContext:
 
 
 @dataclass
-class RoleBuild:
-    """How to build one role in a worker: ``factory(config, ctx)``, or share
-    another role's object (a non-frozen derived role in the same pool)."""
-
-    name: str
-    kind: str
-    factory: Any
-    config: Any
-    shares: str | None = None
-    frozen: bool = False
-
-
-@dataclass
 class NodeEntry:
     """What a worker needs to run one node: the operator, its parameters, its
     role, and the node's field renames (graph name → the operator's own name)."""
@@ -67,35 +57,28 @@ class NodeEntry:
     name: str = ""  # the node's name, for errors
 
 
-@dataclass(frozen=True)
-class ReadSpec:
-    """How ``n`` positional inputs form one upstream read (see ``plan.Read``)."""
-
-    n: int
-    fields: tuple[str, ...]
-    rows: tuple[int, int] | None
-    repeat: int
-
-
 @dataclass
 class Call:
     """One task on one rank: the plan's task, with the step filled in.
 
     Positional inputs are ``n_gates`` handles to wait on, then (when ``stateful``)
-    the operator's state from the previous step, then the shards the reads take.
+    the operator's state from the previous step, then the values of the handles
+    of ``inputs`` (the task's read, a :meth:`~flowrl.data.DataProtoFuture.shape`), in order.
     """
 
     node: str
     step: int
     mb: int | None
-    reads: tuple[ReadSpec, ...]
+    inputs: DataProtoFuture | None  # None: the task reads nothing
     n_gates: int = 0
     rank: int = 0
     world: int = 1
     dispatch: str = "driver"  # the registered mode that gives this rank its part
+    keys: RowKeys = RowKeys()  # the columns that mode may read
     factor: int = 1  # output rows per input row
     min_version: int | None = None
     stateful: bool = False
+    plan: str = "train"  # which plan's node: "train", or "val" for the validation run
 
 
 @dataclass
@@ -114,34 +97,7 @@ class Info:
     version: int | None
     metrics: dict[str, float] = field(default_factory=dict)
     state: dict[str, Any] | None = None  # a stateful operator's state after this task
-
-
-def assemble(inputs: list[DataProto], reads: tuple[ReadSpec, ...]) -> DataProto:
-    """Build a task's batch: per read, concat its shards, take its columns and rows,
-    repeat rows to the consumer's space; then union the reads column-wise."""
-    parts: list[DataProto] = []
-    i = 0
-    for r in reads:
-        # take the columns first: concatenating shards copies only what is read
-        # (with the row index a balanced dispatch tagged them with, to put them back in order)
-        shards = [dp.select(*_split_keys(dp, r.fields + (ROW_INDEX,))) for dp in inputs[i : i + r.n]]
-        i += r.n
-        dp = in_row_order(shards[0] if len(shards) == 1 else concat_padded(shards))  # widths may differ
-        if r.rows is not None:
-            dp = dp[r.rows[0] : r.rows[1]]
-        parts.append(expand_rows(dp, r.repeat))
-    out = parts[0] if parts else DataProto()
-    for p in parts[1:]:
-        out = out.union(p)
-    return out
-
-
-def _split_keys(dp: DataProto, fields: tuple[str, ...]) -> tuple[list[str], list[str], list[str]]:
-    tensor_keys = set(dp.batch.keys()) if dp.batch is not None else set()
-    batch_keys = [f for f in fields if f in tensor_keys]
-    non_tensor = [f for f in fields if f in dp.non_tensor_batch]
-    meta = [f for f in fields if f in dp.meta_info]
-    return batch_keys, non_tensor, meta
+    plan: str = "train"  # the plan its task belongs to ("val": the validation run)
 
 
 class NonFiniteOutput(ValueError):
@@ -169,14 +125,15 @@ class Worker:
         rank: int,
         world_size: int,
         roles: list[RoleBuild],
-        nodes: dict[str, NodeEntry],
+        nodes: dict[str, dict[str, NodeEntry]],
         seed: int = 0,
         threads: int = 1,
         gpus: float = 0.0,
         distributed: bool = False,
     ) -> None:
         """``distributed``: the pool's ranks form a process group, so the roles are built
-        by :meth:`join_group` once every rank has started (rank 0 first calls :meth:`listen`)."""
+        by :meth:`join_group` once every rank has started (rank 0 first calls :meth:`listen`).
+        ``nodes``: per plan (``train``, ``val``), what running each of its nodes needs."""
         import torch
 
         self.threads = max(1, threads)
@@ -238,7 +195,7 @@ class Worker:
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
         start = time.time()
-        entry = self.nodes[call.node]
+        entry = self.nodes[call.plan][call.node]
         role_obj = self.roles.get(entry.role) if entry.role else None
         version = self.versions[self.owner[entry.role]] if entry.role else None
         state = None
@@ -252,16 +209,13 @@ class Worker:
             if call.stateful:
                 state = self._state_in(entry, shards[0])
                 shards = shards[1:]
-            batch = get_mode(call.dispatch).split(assemble(list(shards), call.reads), call.rank, call.world)
+            mode = get_mode(call.dispatch)
+            whole = call.inputs.collect(shards) if call.inputs is not None else DataProto()
+            batch, tags = mode.split(whole, call.rank, call.world, call.keys)
             if state is not None:
                 batch.meta_info[entry.op.state.key] = state
-            index = batch.non_tensor_batch.pop(ROW_INDEX, None)  # a balanced split's rows, for collect
             out, metrics = self._run(entry, role_obj, batch)
-            if index is not None and len(out) and len(out) == len(index) * call.factor:
-                import numpy as np
-
-                out.non_tensor_batch[ROW_INDEX] = (np.repeat(index, call.factor) * call.factor
-                                                   + np.tile(np.arange(call.factor), len(index)))
+            out = mode.tag(out, tags, call.factor)
             if state is not None:
                 batch.meta_info.pop(entry.op.state.key, None)
             if entry.op.updates_role:
@@ -274,7 +228,7 @@ class Worker:
             raise NodeError(call.node, call.step, call.mb, self.label, f"{type(e).__name__}: {e}",
                             traceback.format_exc()) from None
         info = Info(call.node, call.step, call.mb, self.pool, self.rank, os.getpid(), start, time.time(),
-                    len(batch), version, metrics, state)
+                    len(batch), version, metrics, state, call.plan)
         return out, info
 
     def _run(self, entry: NodeEntry, role_obj: Any, batch: DataProto) -> tuple[DataProto, dict[str, float]]:

@@ -122,7 +122,7 @@ def _row_kwargs(extra_info: Any, key: str) -> dict:
              "tool_reward": "float32[B]", "answer": "object[B]", "messages": "object[B]",
              "finish_reason": "object[B]"},
     aux_outputs=("rollout_log_probs", "weight_version", "messages", "finish_reason"),
-    val_params={"greedy": True}, dumped=("prompts", "responses", "response_mask", "weight_version"),
+    val_params={"greedy": True}, dumped=("prompts", "responses", "weight_version"),
 )
 def multi_turn(actor, batch, p: MultiTurn):
     """n conversations per prompt with tools / an environment; the mask keeps only what the model sampled."""

@@ -33,7 +33,7 @@ SEQUENCE_FIELDS = {
     inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "uid": "object[B]"},
     outputs={**SEQUENCE_FIELDS, "rollout_log_probs": "float32[B, R]", "weight_version": "int64[B]"},
     params=Generate, aux_outputs=("rollout_log_probs", "weight_version"), optional_inputs=("uid",),
-    val_params={"greedy": True}, dumped=("prompts", "responses", "response_mask", "weight_version"),
+    val_params={"greedy": True}, dumped=("prompts", "responses", "weight_version"),
 )
 def generate(actor, batch, p: Generate):
     """Sample ``n`` responses per prompt; ``weight_version`` records the policy that made each one.

@@ -1,0 +1,116 @@
+"""The backend contract: what the runtime asks of the machinery that runs tasks.
+
+The runtime talks to a backend through handles (Ray ObjectRefs, or
+``concurrent.futures.Future`` locally). Every backend keeps the same semantics:
+
+* each (pool, rank) runs its tasks one at a time, in submission order — a task
+  whose inputs are not ready holds its pool, exactly like a Ray actor's queue;
+* different pools run concurrently;
+* driver tasks (stateless operators) run as soon as their inputs are ready,
+  concurrently with everything else (Ray: a threaded 0-CPU actor);
+* submitting never waits for a value.
+
+A backend registers itself by name with its traits (:func:`backend`); the two
+built in are ``local`` (:mod:`flowrl.runtime.local`) and ``ray``
+(:mod:`flowrl.runtime.ray_backend`), both registered by importing
+:mod:`flowrl.runtime.backends`.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Callable
+
+from flowrl.runtime.pools import PoolSpec
+from flowrl.runtime.traits import LOCAL, BackendTraits, register_traits
+from flowrl.runtime.worker import Call, NodeEntry
+
+
+class Backend(abc.ABC):
+    """Interface (see module docstring)."""
+
+    name = "base"
+    #: what the plan depends on (:mod:`flowrl.runtime.traits`); set by :func:`backend`
+    traits: BackendTraits = LOCAL
+
+    @abc.abstractmethod
+    def start(self, pools: list[PoolSpec], nodes: dict[str, dict[str, NodeEntry]], seed: int,
+              driver: bool = True) -> None:
+        """Create every pool's workers (and their roles); a driver worker only when ``driver``."""
+
+    @abc.abstractmethod
+    def submit(self, pool: str, rank: int, call: Call, inputs: list[Any]) -> tuple[Any, Any]:
+        """Run ``call`` on (pool, rank) once ``inputs`` are ready → (data handle, info handle)."""
+
+    @abc.abstractmethod
+    def call(self, pool: str, rank: int, method: str, *args: Any) -> Any:
+        """Run a worker method (``get_weights``...) in the pool's queue; args may be handles."""
+
+    @abc.abstractmethod
+    def put(self, value: Any) -> Any:
+        """A handle to ``value``."""
+
+    @abc.abstractmethod
+    def get(self, handle: Any, timeout: float | None = None) -> Any:
+        """The value behind a handle (raises what produced it raised)."""
+
+    @abc.abstractmethod
+    def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
+        """``(done, pending)``: every handle done by the time all are, or ``timeout`` passes,
+        or (a backend that can tell cheaply) at least one is."""
+
+    def wait_reports(self, handles: list[Any], timeout: float) -> list[tuple[Any, Any]]:
+        """``(handle, value or the exception it raised)`` for every finished handle, once at
+        least one is finished or ``timeout`` passes; the values are fetched together."""
+        done, _ = self.wait(handles, timeout)
+        if not done:
+            return []
+        try:
+            return list(zip(done, self.get_many(done)))
+        except Exception:  # noqa: BLE001 - find which one failed, and keep the others' values
+            out: list[tuple[Any, Any]] = []
+            for h in done:
+                try:
+                    out.append((h, self.get(h)))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller, named there
+                    out.append((h, exc))
+            return out
+
+    def get_many(self, handles: list[Any]) -> list[Any]:
+        """The values behind ``handles`` (one round trip where the backend allows)."""
+        return [self.get(h) for h in handles]
+
+    def worker_label(self, pool: str, rank: int) -> str:
+        return f"{pool}[{rank}]"
+
+    def shutdown(self) -> None:
+        pass
+
+
+#: every backend, by the name ``flowrl run --backend`` takes: name → factory(address=None)
+BACKENDS: dict[str, Callable[..., Backend]] = {}
+
+
+def backend(traits: BackendTraits) -> Callable[[type[Backend]], type[Backend]]:
+    """Register a backend class under ``traits.name`` with its traits (like role kinds and data sources)."""
+
+    def wrap(cls: type[Backend]) -> type[Backend]:
+        register_traits(traits)
+        BACKENDS[traits.name] = cls
+        cls.name, cls.traits = traits.name, traits
+        return cls
+
+    return wrap
+
+
+def describe_death(exc: BaseException) -> str | None:
+    """A readable cause when ``exc`` says a worker process died, else None."""
+    name = type(exc).__name__
+    if name in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
+                "OutOfMemoryError", "NodeDiedError"):
+        text = str(exc).strip().splitlines()
+        return f"{name}: {text[0] if text else ''}"
+    return None
+
+
+__all__ = ["BACKENDS", "Backend", "backend", "describe_death"]

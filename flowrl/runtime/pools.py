@@ -1,0 +1,88 @@
+"""Pools as the plan sees them: the workers of each pool and the roles each builds.
+
+A pool hosts roles (colocation: every role of a pool lives in the same worker
+processes). Which objects a worker builds is decided here, once, from the
+graph: a frozen derived role (``ref: {from: actor, frozen: true}``) gets its
+own copy of the root role's model; a non-frozen derived role in the same pool
+shares the object (and weights) of the role it derives from.
+
+Example::
+
+    for spec in pool_specs(graph):
+        print(spec.name, spec.workers, [b.name for b in spec.roles])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from flowrl.graph import REGISTRY, Graph
+
+#: the pseudo-pool of stateless nodes that run on the driver
+DRIVER = "driver"
+
+
+@dataclass
+class RoleBuild:
+    """How to build one role in a worker: ``factory(config, ctx)``, or share
+    another role's object (a non-frozen derived role in the same pool)."""
+
+    name: str
+    kind: str
+    factory: Any
+    config: Any
+    shares: str | None = None
+    frozen: bool = False
+
+
+@dataclass
+class PoolSpec:
+    """One pool: its workers and resources, the roles each worker builds, and its process group's settings."""
+
+    name: str
+    workers: int
+    cpus: float
+    gpus: float
+    roles: list[RoleBuild]
+    backend: str = "cpu:gloo,cuda:nccl"  # torch.distributed, per device type (a pool of N > 1)
+    timeout_s: float = 300.0  # one collective's limit
+
+
+def pool_specs(graph: Graph) -> list[PoolSpec]:
+    """Every pool of ``graph`` with the role builds of its workers."""
+    return [PoolSpec(name, cfg.workers, cfg.cpus, cfg.gpus, role_builds(graph, cfg.roles), cfg.backend, cfg.timeout_s)
+            for name, cfg in graph.config.pools.items()]
+
+
+def role_builds(graph: Graph, names: list[str]) -> list[RoleBuild]:
+    """The builds of the roles ``names`` of one pool, a shared role after the role it shares."""
+    roles = graph.config.roles
+    builds: list[RoleBuild] = []
+    done: set[str] = set()
+
+    def root(name: str) -> str:
+        while roles[name].from_ is not None:
+            name = roles[name].from_
+        return name
+
+    def add(name: str) -> None:
+        if name in done:
+            return
+        cfg = roles[name]
+        kind = graph.role_kinds[name]
+        rk = REGISTRY.role_kind(kind)
+        if cfg.from_ is not None and cfg.from_ in names and not cfg.frozen:
+            add(cfg.from_)
+            builds.append(RoleBuild(name, kind, rk.factory, None, shares=cfg.from_))
+        else:
+            settings = rk.config.model_validate(roles[root(name)].settings)
+            builds.append(RoleBuild(name, kind, rk.factory, settings, frozen=cfg.frozen))
+        done.add(name)
+
+    for n in names:
+        add(n)
+    return builds
+
+
+__all__ = ["DRIVER", "PoolSpec", "RoleBuild", "pool_specs", "role_builds"]
