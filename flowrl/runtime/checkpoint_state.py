@@ -31,6 +31,7 @@ from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_file, save_file
 
 from flowrl.runtime.errors import RuntimeFailure
@@ -141,9 +142,12 @@ def load_states(directory: str | Path, states: Mapping[str, Any], trees: Mapping
             path = role_dir(directory, name, rank, group.world_size)
             if not path.is_dir():  # a rank of threads new to the pool takes rank 0's copy
                 path = role_dir(directory, name, 0, group.world_size)
-            with group.guard(f"checkpoint: read {name}"), _no_group_is_intended():
-                dcp.load(loaded, storage_reader=dcp.HuggingFaceStorageReader(str(path)),
-                         no_dist=group.world_size == 1)
+            try:
+                with group.guard(f"checkpoint: read {name}"), _no_group_is_intended():
+                    dcp.load(loaded, storage_reader=dcp.HuggingFaceStorageReader(str(path)),
+                             no_dist=group.world_size == 1)
+            except CheckpointException as e:  # a BaseException: say what a rank met, as an unusable checkpoint
+                raise UnreadableCheckpoint(f"{ROLES}/{path.name}: {_first_failure(e)}") from None
         obj.load_state_dict(join(tree, loaded))
 
 
@@ -200,6 +204,13 @@ def read_weights(directory: Path, entries: list[dict[str, Any]]) -> dict[tuple[s
     return out
 
 
+def _first_failure(err: CheckpointException) -> str:
+    failures = [f[0] if isinstance(f, tuple) else f for f in err.failures.values()]
+    first = failures[0] if failures else err
+    text = str(first).strip().splitlines()
+    return f"{type(first).__name__}: {text[-1] if text else ''}"
+
+
 def disk_error(err: BaseException) -> OSError | None:
     """The ``OSError`` behind a failed write (DCP collects them per rank), or None."""
     seen = set()
@@ -211,7 +222,9 @@ def disk_error(err: BaseException) -> OSError | None:
         seen.add(id(e))
         if isinstance(e, OSError):
             return e
-        stack += [e.__cause__, e.__context__, *getattr(e, "failures", {}).values()]
+        # DCP collects each rank's failure as (exception, traceback)
+        failures = [f[0] if isinstance(f, tuple) else f for f in getattr(e, "failures", {}).values()]
+        stack += [e.__cause__, e.__context__, *[f for f in failures if isinstance(f, BaseException)]]
     return None
 
 
@@ -228,7 +241,7 @@ def _write_tensors(path: Path, tensors: dict[str, torch.Tensor], group: Any, nam
         with group.guard(f"checkpoint: write {name}"), _no_group_is_intended():
             dcp.save(tensors, storage_writer=dcp.HuggingFaceStorageWriter(str(path), save_distributed=True),
                      no_dist=group.world_size == 1)
-    except Exception as e:  # noqa: BLE001 - a full disk reaches the user as a sentence, not a traceback
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a full disk: a sentence, not a traceback
         disk = disk_error(e)
         if disk is None:
             raise
