@@ -112,6 +112,7 @@ class Trainer:
                 if self.trace is not None:
                     self.runtime.timeline.to_chrome_trace(self.trace)
                 self.runtime.close()
+                self.store.discard_staged()  # shards written for a checkpoint that was never saved
 
     def _run(self) -> list[dict[str, float]]:
         cfg = self.graph.config
@@ -150,7 +151,6 @@ class Trainer:
                     sinks.sync()
                     self._save(done, self.runtime.snapshot_now(done, self.source))
             except CheckpointError as e:  # e.g. a full disk while the ranks wrote their shards
-                self.store.discard_staged()
                 raise CheckpointError(str(getattr(e, "cause", None) or e)) from None  # a worker's: its message
             finally:
                 sinks.close()
