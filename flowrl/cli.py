@@ -279,11 +279,13 @@ def export(
     role: str = typer.Option("actor", "--role", help="which role's weights to export"),
 ) -> None:
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint."""
+    from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore
     from operators.models.export import ExportError, export_hf
 
     try:
-        path = export_hf(run_dir, out_dir, step=step, role=role)
-    except (ExportError, OSError, ValueError) as e:
+        state, meta, where = CheckpointStore(Path(run_dir) / "checkpoints").read_role(role, step)
+        path = export_hf(state["model"], meta["graph"], out_dir, role=role, where=where)
+    except (CheckpointError, ExportError, OSError, ValueError) as e:
         err_console.print(f"[bold red]error[/] {_escape(str(e))}")
         raise typer.Exit(1) from None
     console.print(f"[green]exported[/] {role} to {path} (load it with AutoModelForCausalLM.from_pretrained)")

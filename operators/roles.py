@@ -15,19 +15,19 @@ Example YAML::
 
 from __future__ import annotations
 
+import base64
 import contextlib
 from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
-from torch.distributed.tensor import DTensor
 
 from flowrl.graph import role_kind
 from operators.models import ModelLoadError, OptimConfig, check_model_spec, load_model
-from operators.models.engine import ENGINES, LossFn, build_engine, part_of
+from operators.models.engine import ENGINES, LossFn, build_engine
 from operators.models.fsdp import unsharded
-from operators.models.sharded_checkpoint import load_sharded, save_sharded
+from operators.models.sharded_checkpoint import ModelState
 from operators.rewards import RewardModelScorer
 from operators.rollout.base import prompt_seeds
 
@@ -135,64 +135,22 @@ class TrainableRole:
     def _load_full_model(self, weights: dict[str, torch.Tensor]) -> None:
         self.train_engine.set_weights(weights)
 
-    def state_dict(self, shards: str | Path | None = None) -> dict[str, Any]:
-        """Everything a checkpoint needs to continue exactly.
-
-        One process: the model's and optimizer's tensors, copied. Sharded over a
-        pool's ranks: a collective that writes the shards of the model and the
-        optimizer state to ``<shards>/<role>`` (``torch.distributed.checkpoint``,
-        safetensors; any number of ranks loads it back) and returns the rest.
-        """
-        state: dict[str, Any] = {"updates": self.updates}
-        if self.group.world_size > 1:
-            if shards is None:
-                raise ValueError(f"role {self.ctx.name!r} is sharded over {self.group.world_size} ranks: its "
-                                 f"state is written to a directory, pass shards=")
-            save_sharded(Path(shards) / self.ctx.name, self.model, self.optimizer, self.group)
-            state["sharded"] = self.ctx.name
-        else:
-            state["model"] = _copied(self.model.state_dict())
-            if self.optimizer is not None:
-                optim = self.optimizer.state_dict()
-                state["optimizer"] = {**optim, "state": {i: _copied(s) for i, s in optim["state"].items()}}
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a checkpoint needs to continue exactly, as a ``Stateful`` for the runtime's
+        checkpointer: the model's and the optimizer's tensors (this rank's shards when the model is
+        sharded: the pool's ranks write them together, and any number of ranks loads them back),
+        the LR schedule and the update count."""
+        state: dict[str, Any] = {**ModelState(self.model, self.optimizer).state_dict(), "updates": self.updates}
         if self.optimizer is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
-    def load_state_dict(self, state: dict[str, Any], shards: str | Path | None = None, own: bool = True) -> None:
-        """Load :meth:`state_dict`'s output, written by any number of ranks (``shards``: the directory
-        a sharded state was written under). ``own`` is for roles with per-rank state (see :class:`Actor`)."""
-        if "sharded" in state:
-            if shards is None:
-                raise ValueError(f"role {self.ctx.name!r}: the state was sharded; pass the directory it was "
-                                 f"written under as shards=")
-            load_sharded(Path(shards) / state["sharded"], self.model, self.optimizer, self.group)
-        else:  # one process's whole state; sharded, each rank takes its part
-            self._load_full_model(state["model"])
-            if self.optimizer is not None and "optimizer" in state:
-                optim = state["optimizer"]
-                if self.group.world_size > 1:
-                    params = [p for g in self.optimizer.param_groups for p in g["params"]]
-                    optim = {**optim, "state": {i: {k: _sharded_part(params[int(i)], v) for k, v in s.items()}
-                                                for i, s in optim["state"].items()}}
-                self.optimizer.load_state_dict(optim)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`state_dict`'s output (its tensors laid out for this rank by the checkpointer)."""
+        ModelState(self.model, self.optimizer).load_state_dict(state)
         if self.optimizer is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.updates = state.get("updates", 0)
-
-
-def _copied(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every tensor copied (a checkpoint must not change as training goes on)."""
-    return {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()}
-
-
-def _sharded_part(param: torch.Tensor, value: Any) -> Any:
-    """This rank's part of a whole optimizer-state tensor, as a DTensor laid out like ``param``
-    (scalars such as Adam's step count stay plain)."""
-    if not isinstance(param, DTensor) or not torch.is_tensor(value) or value.dim() == 0:
-        return value
-    return DTensor.from_local(part_of(param, value).clone(), param.device_mesh, param.placements,
-                              run_check=False, shape=param.shape, stride=param.stride())
 
 
 class _UnshardedEngine:
@@ -280,18 +238,21 @@ class Actor(TrainableRole):
         if self._engine is not None and self.cfg.rollout.engine != "hf":
             self._engine.update_weights(weights)  # the hf engine holds this very model
 
-    def state_dict(self, shards: str | Path | None = None) -> dict[str, Any]:
-        state = super().state_dict(shards)
+    def state_dict(self) -> dict[str, Any]:
+        """As :meth:`TrainableRole.state_dict`, plus this rank's own sampling stream (under
+        ``rank_local``: the checkpointer gives it back only to the rank that wrote it, so a rank
+        new to the pool keeps its fresh stream rather than repeat another rank's samples)."""
+        state = super().state_dict()
         if self._engine is not None and hasattr(self._engine, "rng_state"):
-            state["rollout_rng"] = self._engine.rng_state()  # this rank's own sampling stream
+            rng = self._engine.rng_state()
+            state["rank_local"] = {"rollout_rng": base64.b64encode(rng.numpy().tobytes()).decode()}
         return state
 
-    def load_state_dict(self, state: dict[str, Any], shards: str | Path | None = None, own: bool = True) -> None:
-        """As :meth:`TrainableRole.load_state_dict`; the rollout RNG only from this rank's own state
-        (a rank new to the pool keeps its fresh stream rather than repeat another rank's samples)."""
-        super().load_state_dict(state, shards, own)
-        if own and "rollout_rng" in state:
-            self.engine.set_rng_state(state["rollout_rng"])
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        rng = (state.get("rank_local") or {}).get("rollout_rng")
+        if rng is not None:
+            self.engine.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
 
 
 @role_kind("critic", config=ModelRoleConfig)

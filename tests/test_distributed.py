@@ -19,16 +19,17 @@ from flowrl.data import DataProto
 from flowrl.data.balance import balance_ranks
 from flowrl.data.dispatch import TASK_ROWS
 from flowrl.data.metrics import total
-from flowrl.runtime.checkpoint import CheckpointStore
+from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore
+from flowrl.runtime.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import CollectiveError, PoolGroup, backend_for, listen
 from flowrl.runtime.worker import RoleContext
 from operators.models import OptimConfig, load_model, response_log_probs, response_values
 from operators.models.data_parallel import LossNorm, data_parallel_forward
 from operators.models.engine import TrainEngine, build_engine
-from operators.models.export import ExportError, checkpoint_weights, export_hf
+from operators.models.export import ExportError, export_hf
 from operators.models.fsdp import build_sharded, shard_model, state_bytes, unsharded
 from operators.models.tiny import build_tiny_model
-from operators.models.sharded_checkpoint import load_sharded, save_sharded
+from operators.models.sharded_checkpoint import ModelState
 from operators.roles import Actor, ActorConfig
 from operators.rollout.base import SamplingParams
 
@@ -205,16 +206,25 @@ def _unsharded_rollout(state, ids):
 
 
 def _save(state, path):
-    save_sharded(path, state["model"], state["optimizer"], state["group"], meta={"updates": 3})
+    """The checkpointer's worker side: the rank's shards under ``path``, its JSON tree back."""
+    group = state["group"]
+    return save_states(path, {"actor": ModelState(state["model"], state["optimizer"])}, group, group.rank)
 
 
-def _load_and_step(state, path, pick_rows):
+def _load_and_step(state, path, trees, pick_rows):
     group = state["group"]
     engine = fresh(group, seed=7)
-    meta = load_sharded(path, engine.model, engine.optimizer, group)
+    load_states(path, {"actor": ModelState(engine.model, engine.optimizer)}, trees, group, group.rank)
     loaded = engine.get_weights()
     train_one(engine, pick_rows)
-    return meta, loaded, engine.get_weights()
+    return loaded, engine.get_weights()
+
+
+def _checkpoint(run, trees, stage, graph):
+    """A run's checkpoint after 2 steps, from the trees the ranks of pool ``train`` returned."""
+    workers = {("train", r): {"roles": t, "versions": {}} for r, t in enumerate(trees)}
+    CheckpointStore(run / "checkpoints").save(1, {"workers": workers, "weights": {}, "shards": str(stage)},
+                                              meta={"graph": graph})
 
 
 def train_one(engine: TrainEngine, pick_rows):
@@ -364,24 +374,21 @@ def test_sharded_value_model_gives_rank0_values(ranks):
 
 def test_checkpoint_written_by_two_ranks_loads_in_one(ranks, tmp_path):
     on_ranks(ranks, _train_on_rank, [3, 3], [2, 2], [1.0, 1.0])
-    path = tmp_path / "step_00000003" / "actor"
-    on_ranks(ranks, _save, [path, path])
-    assert not list(tmp_path.glob("step_00000003/.tmp_*"))
+    path = tmp_path / "staged"
+    trees, _ = on_ranks(ranks, _save, [path, path])
     # both ranks take one more step; one process loads the 2-rank checkpoint and takes the same step
     parts = rank_rows(99)
-    (_, loaded_on_ranks, stepped_on_ranks), _ = on_ranks(ranks, _load_and_step, [path, path], parts)
-    meta, loaded, stepped = _load_and_step({"group": PoolGroup.single(POOL)}, path, list(range(ROWS)))
-    assert meta == {"updates": 3}
+    (loaded_on_ranks, stepped_on_ranks), _ = on_ranks(ranks, _load_and_step, [path, path], [trees, trees], parts)
+    loaded, stepped = _load_and_step({"group": PoolGroup.single(POOL)}, path, trees, list(range(ROWS)))
     assert max_diff(loaded, loaded_on_ranks) == 0.0
     assert max_diff(stepped, stepped_on_ranks) <= 1e-5
 
 
 def test_checkpoint_written_by_one_process_loads_in_two_ranks(ranks, tmp_path):
     engine = single_process(steps=2, micro=ROWS, grad_clip=1.0, halves=False)
-    path = tmp_path / "actor"
-    save_sharded(path, engine.model, engine.optimizer, PoolGroup.single(POOL), meta={"updates": 2})
-    (meta, loaded, stepped), _ = on_ranks(ranks, _load_and_step, [path, path], rank_rows(99))
-    assert meta == {"updates": 2}
+    path = tmp_path / "staged"
+    trees = _save({"model": engine.model, "optimizer": engine.optimizer, "group": PoolGroup.single(POOL)}, path)
+    (loaded, stepped), _ = on_ranks(ranks, _load_and_step, [path, path], [trees, trees], rank_rows(99))
     assert max_diff(loaded, engine.get_weights()) == 0.0
     train_one(engine, list(range(ROWS)))
     assert max_diff(stepped, engine.get_weights()) <= 1e-5
@@ -390,23 +397,22 @@ def test_checkpoint_written_by_one_process_loads_in_two_ranks(ranks, tmp_path):
 def test_export_from_sharded_and_whole_checkpoints_gives_the_trained_logits(ranks, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = single_process(steps=2, micro=ROWS, grad_clip=1.0, halves=False).model
+    reference = single_process(steps=2, micro=ROWS, grad_clip=1.0, halves=False)
+    model, optimizer = reference.model, reference.optimizer
     graph = {"roles": {"actor": {"model": "builtin:tiny", "dtype": "float32"},
                        "ref": {"from": "actor", "frozen": True}}}
-    # whole: the layout CheckpointStore writes today
-    store = CheckpointStore(tmp_path / "whole" / "checkpoints")
-    store.save(1, {"workers": {("train", 0): {"roles": {"actor": {"model": model.state_dict()}},
-                                              "versions": {}}},
-                   "weights": {}}, meta={"graph": graph})
+    # whole: one process
+    trees = _save({"model": model, "optimizer": optimizer, "group": PoolGroup.single(POOL)}, tmp_path / "s1")
+    _checkpoint(tmp_path / "whole", [trees], tmp_path / "s1", graph)
     # sharded: written by the two ranks
     (weights, _), _ = on_ranks(ranks, _train_on_rank, [2, 2], [2, 2], [1.0, 1.0])
-    step_dir = tmp_path / "sharded" / "checkpoints" / "step_00000002"
-    on_ranks(ranks, _save, [step_dir / "actor"] * 2)
-    (step_dir / "meta.json").write_text(__import__("json").dumps({"graph": graph, "step": 1}))
+    trees = on_ranks(ranks, _save, [tmp_path / "s2"] * 2)
+    _checkpoint(tmp_path / "sharded", trees, tmp_path / "s2", graph)
 
     ids = make_batch(5)["input_ids"]
     for run, expected in ((tmp_path / "whole", model.state_dict()), (tmp_path / "sharded", weights)):
-        out = export_hf(run, tmp_path / f"hf_{run.name}", step=2)
+        state, meta, where = CheckpointStore(run / "checkpoints").read_role("actor", step=2)
+        out = export_hf(state["model"], meta["graph"], tmp_path / f"hf_{run.name}", where=where)
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
         loaded = AutoModelForCausalLM.from_pretrained(str(out))
         reference, _ = load_model("builtin:tiny")
@@ -414,12 +420,12 @@ def test_export_from_sharded_and_whole_checkpoints_gives_the_trained_logits(rank
         with torch.no_grad():
             diff = (loaded(input_ids=ids).logits - reference(input_ids=ids).logits).abs().max()
         assert float(diff) <= 1e-6
-    with pytest.raises(ExportError, match="available steps: 2"):
-        export_hf(tmp_path / "whole", tmp_path / "x", step=7)
-    with pytest.raises(ExportError, match="no role 'critic'"):
-        checkpoint_weights(tmp_path / "whole" / "checkpoints" / "step_00000002", "critic")
-    with pytest.raises(ExportError, match="holds neither critic/sharded.json"):
-        checkpoint_weights(step_dir, "critic")
+    with pytest.raises(CheckpointError, match="available steps: 2"):
+        CheckpointStore(tmp_path / "whole" / "checkpoints").read_role("actor", step=7)
+    with pytest.raises(CheckpointError, match="no role 'critic'"):
+        CheckpointStore(tmp_path / "sharded" / "checkpoints").read_role("critic")
+    with pytest.raises(ExportError, match="the graph has no role 'critic'"):
+        export_hf(state["model"], meta["graph"], tmp_path / "x", role="critic")
 
 
 # ---------------------------------------------------------------- failures (these break the group: last)
@@ -516,10 +522,10 @@ def test_export_cli_writes_a_loadable_directory_and_names_a_missing_step(tmp_pat
 
     from flowrl.cli import app
 
-    model, _ = single_process(steps=1, micro=ROWS, grad_clip=1.0, halves=False)
-    CheckpointStore(tmp_path / "run" / "checkpoints").save(
-        0, {"workers": {("train", 0): {"roles": {"actor": {"model": model.state_dict()}}, "versions": {}}},
-            "weights": {}}, meta={"graph": {"roles": {"actor": {"model": "builtin:tiny"}}}})
+    reference = single_process(steps=1, micro=ROWS, grad_clip=1.0, halves=False)
+    model, optimizer = reference.model, reference.optimizer
+    trees = _save({"model": model, "optimizer": optimizer, "group": PoolGroup.single(POOL)}, tmp_path / "s")
+    _checkpoint(tmp_path / "run", [trees], tmp_path / "s", {"roles": {"actor": {"model": "builtin:tiny"}}})
     runner = CliRunner()
     ok = runner.invoke(app, ["export", str(tmp_path / "run"), str(tmp_path / "hf")])
     assert ok.exit_code == 0, ok.output

@@ -8,19 +8,17 @@ checkpoint holds, read back independently of the runtime that loads it.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from flowrl.graph import load_graph
 from flowrl.runtime.checkpoint import CheckpointStore
+from flowrl.runtime.checkpoint_state import read_full
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.trainer import Trainer
 from flowrl.runtime.worker import RoleContext
-from operators.models.export import checkpoint_weights
 from operators.roles import Actor, ActorConfig
 
 ray = pytest.importorskip("ray")
@@ -33,15 +31,9 @@ def grpo(workers: int):
     return load_graph("grpo", overrides={**BASE, "pools.train.workers": workers})
 
 
-def sharded_optimizer_state(path: Path) -> dict[str, torch.Tensor]:
-    """Every ``optim.<param>.<name>`` tensor of a sharded checkpoint, whole, read in this process."""
-    reader = dcp.HuggingFaceStorageReader(str(path))
-    meta = reader.read_metadata().state_dict_metadata
-    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items() if k.startswith("optim.")}
-    with warnings.catch_warnings():  # one process, no group, on purpose
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(tensors, storage_reader=reader, no_dist=True)
-    return tensors
+def written_state(directory: Path, state: dict) -> dict:
+    """The actor state a worker's ``get_state`` wrote under ``directory``, whole, read in this process."""
+    return read_full(directory, "actor", state["roles"]["actor"])
 
 
 def test_a_two_worker_checkpoint_resumes_on_one_and_a_whole_one_on_two(ray_session, tmp_path):
@@ -49,8 +41,9 @@ def test_a_two_worker_checkpoint_resumes_on_one_and_a_whole_one_on_two(ray_sessi
     said: list[str] = []
     Trainer(grpo(2), backend="ray", steps=2, out=out, say=said.append).run()
     step2 = out / "checkpoints" / "step_00000002"
-    assert (step2 / "actor" / "sharded.json").is_file()  # the ranks' shards, not per-rank pickles
-    assert "model" not in torch.load(step2 / "workers.pt", weights_only=True)[("train", 0)]["roles"]["actor"]
+    # one directory the two ranks wrote together, each its shards: the format one process writes
+    assert len(list((step2 / "roles" / "actor").glob("*.safetensors"))) == 2
+    assert [p.name for p in (step2 / "roles").iterdir()] == ["actor"]
 
     # 2 → 1 through the CLI's path: accepted, said, and the run goes on from step 3 with the samples
     # the uninterrupted 2-worker run draws (a prompt's sampling is keyed by its uid, not by its rank)
@@ -63,27 +56,26 @@ def test_a_two_worker_checkpoint_resumes_on_one_and_a_whole_one_on_two(ray_sessi
         assert rows[0][key] == pytest.approx(straight[-1][key], abs=1e-6), key
 
     names = [n for n, _ in Actor(ActorConfig(), RoleContext("actor", 0, 1, 0)).model.named_parameters()]
-    saved_weights = checkpoint_weights(step2)
-    saved_optim = sharded_optimizer_state(step2 / "actor")
-    payload, _ = CheckpointStore(out / "checkpoints").load(step2)
+    store = CheckpointStore(out / "checkpoints")
+    saved, _, _ = store.read_role("actor", step=2)
+    payload, _ = store.load(step2)
     with Runtime(grpo(1), backend="ray") as rt:
         rt.restore(payload)
         (weights, _), state = rt.backend.get_many([rt.backend.call("train", 0, "get_weights", "actor"),
-                                                   rt.backend.call("train", 0, "get_state")])
-    assert set(weights) >= set(saved_weights)
-    assert all(torch.equal(weights[k], saved_weights[k]) for k in saved_weights)
-    optim = state["roles"]["actor"]["optimizer"]["state"]
-    assert len(optim) == len(names)
-    for i, name in enumerate(names):
+                                                   rt.backend.call("train", 0, "get_state", str(tmp_path / "one"))])
+    assert all(torch.equal(weights[k], v) for k, v in saved["model"].items())
+    loaded = written_state(tmp_path / "one", state)
+    assert sorted(loaded["optimizer"]["state"]) == sorted(names)
+    for name in names:
         for moment in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(optim[i][moment], saved_optim[f"optim.{name}.{moment}"]), (name, moment)
-        assert float(optim[i]["step"]) == 2.0
-    assert state["roles"]["actor"]["updates"] == 2
+            assert torch.equal(loaded["optimizer"]["state"][name][moment],
+                               saved["optimizer"]["state"][name][moment]), (name, moment)
+        assert float(loaded["optimizer"]["state"][name]["step"]) == 2.0
+    assert loaded["updates"] == 2
 
-    # 1 → 2: the whole checkpoint of step 3 loads into two ranks, each holding its half
-    step3 = out / "checkpoints" / "step_00000003"
-    whole = torch.load(step3 / "workers.pt", weights_only=True)[("train", 0)]["roles"]["actor"]
-    payload, _ = CheckpointStore(out / "checkpoints").load(step3)
+    # 1 → 2: the checkpoint one process wrote at step 3 loads into two ranks, each holding its half
+    whole, _, _ = store.read_role("actor", step=3)
+    payload, _ = store.load(out / "checkpoints" / "step_00000003")
     with Runtime(grpo(2), backend="ray") as rt:
         rt.restore(payload)
         (gathered, _), _ = rt.backend.get_many([rt.backend.call("train", r, "get_weights", "actor")
@@ -96,7 +88,20 @@ def test_a_two_worker_checkpoint_resumes_on_one_and_a_whole_one_on_two(ray_sessi
                      for t in s.values() if t.dim() > 0)
     assert [h["actor"]["optimizer"] for h in held] == [pytest.approx(full_optim / 2, rel=0.01)] * 2
     # and it checkpoints again, sharded, with the same moments it loaded
-    again = sharded_optimizer_state(tmp_path / "again" / "actor")
-    for i, name in enumerate(names):
-        assert torch.equal(again[f"optim.{name}.exp_avg"], whole["optimizer"]["state"][i]["exp_avg"]), name
-    assert state["roles"]["actor"]["updates"] == 3
+    again = written_state(tmp_path / "again", state)
+    for name in names:
+        assert torch.equal(again["optimizer"]["state"][name]["exp_avg"],
+                           whole["optimizer"]["state"][name]["exp_avg"]), name
+    assert again["updates"] == 3
+
+
+def test_a_two_worker_checkpoint_without_rank_0s_shard_falls_back_to_the_previous_one(ray_session, tmp_path):
+    Trainer(grpo(2), backend="ray", steps=4, out=tmp_path, say=lambda _: None).run()
+    newest = tmp_path / "checkpoints" / "step_00000004"
+    first = sorted((newest / "roles" / "actor").glob("*.safetensors"))[0]  # rank 0's half of the actor
+    first.unlink()
+    said: list[str] = []
+    rows = Trainer(grpo(2), backend="ray", steps=5, out=tmp_path, resume=True, say=said.append).run()
+    assert any("step_00000004 is unreadable" in m and f"{first.name} is missing" in m for m in said)
+    assert any("resuming from" in m and "step_00000002" in m for m in said)
+    assert [r["step"] for r in rows] == [3, 4, 5]

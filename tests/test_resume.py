@@ -74,13 +74,16 @@ def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path):
     store = CheckpointStore(tmp_path / "run" / "checkpoints")
     newest = store.complete()[0]
     assert newest.name == "step_00000006"
-    data = (newest / "workers.pt").read_bytes()
-    (newest / "workers.pt").write_bytes(data[: len(data) // 2])  # truncated
+    (shard,) = (newest / "roles" / "actor").glob("*.safetensors")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one flipped bit in the middle of a weight: loads, silently wrong
+    shard.write_bytes(bytes(data))
     said = []
     g = load_graph("grpo", overrides={**TINY, "trainer.checkpoint_every": 2})
     trainer = Trainer(g, backend="local", steps=8, out=tmp_path / "run", resume=True, say=said.append)
     rows = trainer.run()
-    assert any("step_00000006 is unreadable" in m and "falling back" in m for m in said)
+    assert any("step_00000006 is unreadable" in m and f"{shard.name} is corrupt" in m and "falling back" in m
+               for m in said)
     assert any("resuming from" in m and "step_00000004" in m for m in said)
     assert [r["step"] for r in rows] == [5, 6, 7, 8]
 
@@ -97,7 +100,7 @@ def test_kill_during_save_leaves_the_last_checkpoint_loadable(tmp_path):
     train(out, steps=3)
     store = CheckpointStore(out / "checkpoints")
     payload, _, _ = store.load_latest(warn=lambda m: None)
-    big = {**payload, "weights": {("actor", 0): {"x": __import__("torch").zeros(64 * 1024 * 1024 // 4)}}}
+    big = {**payload, "weights": {("actor", 0): ({"x": __import__("torch").zeros(64 * 1024 * 1024 // 4)}, 0)}}
     script = (
         "import sys, torch, pickle; from flowrl.runtime.checkpoint import CheckpointStore; "
         "payload = pickle.load(open(sys.argv[1], 'rb')); "

@@ -3,6 +3,8 @@ a local-only Ray (issue 13)."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save
 
 from flowrl.graph import load_graph
 from flowrl.runtime.checkpoint import CheckpointStore
@@ -229,7 +232,8 @@ CATALOGUE = [
     (case_fresh_run_over_another_run, 1, ["already holds a run (metrics.jsonl)", "--overwrite"]),
     (case_nothing_to_resume, 1, ["no complete checkpoint", "start without --resume"]),
     (case_meta_without_graph, 1, ["meta.json has no 'graph' mapping", "every checkpoint"]),
-    (case_checkpoint_with_a_callable, 1, ["workers.pt holds something other than tensors", "posix.system"]),
+    # a checkpoint of the pickled layout before the checkpointer: refused by its format, never unpickled
+    (case_checkpoint_with_a_callable, 1, ["written by flowrl before the checkpointer", "checkpoint format 1"]),
     (case_measured_with_a_torn_line, 0, ["metrics.jsonl: line 2 is incomplete"]),
     (case_unknown_graph, 1, ["no graph 'no_such_graph'"]),
     (case_misspelled_reward_fn, 1, ["node 'reward', field 'fn'", "unknown reward function 'arithh'"]),
@@ -373,15 +377,27 @@ def test_resume_drops_only_the_rows_after_the_checkpoint(tmp_path):
     assert values(after[:2]) == values(before[:2])  # the rows up to the checkpoint are the same rows
 
 
+def _replace_in_checkpoint(path: Path, name: str, data: bytes) -> None:
+    """Write ``data`` as the checkpoint's file ``name`` and list it in the manifest, as an attacker (or a
+    careless tool) that knows the format would: the checksums pass, what is inside must not."""
+    (path / name).write_bytes(data)
+    manifest = json.loads((path / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_a_pickled_callable_in_a_checkpoint_is_refused_without_running_it(tmp_path):
     train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
     newest = CheckpointStore(tmp_path / "checkpoints").complete()[0]
     marker = tmp_path / "pwned"
-    torch.save({"weights": Evil(marker)}, newest / "weights.pt")
+    (shard,) = (newest / "roles" / "actor").glob("*.safetensors")
+    buffer = io.BytesIO()
+    torch.save({"weights": Evil(marker)}, buffer)
+    _replace_in_checkpoint(newest, shard.relative_to(newest).as_posix(), buffer.getvalue())
     said: list[str] = []
     more = train(tmp_path, steps=5, resume=True, say=said.append, **{"trainer.checkpoint_every": 2})
     assert not marker.exists()
-    assert any("step_00000004" in m and "refused" in m and "posix.system" in m for m in said)
+    assert any("step_00000004" in m and "unreadable" in m for m in said)
     assert any("resuming from" in m and "step_00000002" in m for m in said)
     assert [r["step"] for r in more] == [3, 4, 5]
 
@@ -390,7 +406,7 @@ def test_the_directory_name_decides_the_step(tmp_path):
     train(tmp_path, steps=2)
     ck = CheckpointStore(tmp_path / "checkpoints").complete()[0]
     meta = json.loads((ck / "meta.json").read_text())
-    (ck / "meta.json").write_text(json.dumps({**meta, "step": 40}))  # an edited step is ignored
+    _replace_in_checkpoint(ck, "meta.json", json.dumps({**meta, "step": 40}).encode())  # an edited step is ignored
     more = train(tmp_path, steps=3, resume=True)
     assert [r["step"] for r in more] == [3]
 
@@ -398,12 +414,11 @@ def test_the_directory_name_decides_the_step(tmp_path):
 def test_a_checkpoint_of_the_wrong_shape_falls_back_to_the_previous_one(tmp_path):
     train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
     newest = CheckpointStore(tmp_path / "checkpoints").complete()[0]
-    state = torch.load(newest / "workers.pt", weights_only=True)
-    for worker in state.values():
-        model = worker["roles"]["actor"]["model"]
-        name = next(iter(model))
-        model[name] = torch.zeros(3, 3)
-    torch.save(state, newest / "workers.pt")
+    (shard,) = (newest / "roles" / "actor").glob("*.safetensors")
+    tensors = load_file(str(shard))
+    name = next(iter(tensors))
+    tensors[name] = torch.zeros(3, 3)
+    _replace_in_checkpoint(newest, shard.relative_to(newest).as_posix(), save(tensors))
     said: list[str] = []
     more = train(tmp_path, steps=5, resume=True, say=said.append, **{"trainer.checkpoint_every": 2})
     assert any("step_00000004" in m and "does not fit" in m for m in said)

@@ -109,6 +109,7 @@ class Trainer:
                 if self.trace is not None:
                     self.runtime.timeline.to_chrome_trace(self.trace)
                 self.runtime.close()
+                self.store.discard_staged()  # shards written for a checkpoint that was never saved
 
     def _run(self) -> list[dict[str, float]]:
         cfg = self.graph.config
@@ -146,6 +147,8 @@ class Trainer:
                 if self.stopped and done > saved:
                     sinks.sync()
                     self._save(done, self.runtime.snapshot_now(done, self.source))
+            except CheckpointError as e:  # e.g. a full disk while the ranks wrote their shards
+                raise CheckpointError(str(getattr(e, "cause", None) or e)) from None  # a worker's: its message
             finally:
                 sinks.close()
             if self.stopped:
@@ -165,13 +168,7 @@ class Trainer:
         dump = self.graph.config.dump()
         meta = {"graph": fingerprint(dump), "workers": worker_counts(dump), "name": self.graph.name,
                 "saved_at": time.time()}
-        try:
-            path = self.store.save(step, payload, meta)
-        except OSError as e:
-            raise CheckpointError(
-                f"could not save the checkpoint of step {step + 1} in {self.store.root}: "
-                f"{e.strerror or e} (free disk space, or point --out at another disk; the previous "
-                f"checkpoint is intact)") from None
+        path = self.store.save(step, payload, meta)
         self.say(f"checkpoint: {path}")
 
     def _resume(self) -> int:

@@ -24,6 +24,7 @@ from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import RowKeys, get_mode
 from flowrl.data.expand import RowCountError, check_rows
 from flowrl.graph import OperatorSpec, Params
+from flowrl.runtime.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
 from flowrl.runtime.pools import RoleBuild
@@ -275,18 +276,20 @@ class Worker:
         return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version)
 
     def get_state(self, shards: str | None = None) -> dict[str, Any]:
-        """Every role's state (weights, optimizer, RNG...) and weight version, for a checkpoint;
-        a role sharded over the pool's ranks writes its shards under ``shards`` with them.
+        """Every role's state and weight version, for a checkpoint: the roles' tensors written
+        under ``shards`` (with the other ranks of the pool: a collective), the rest returned.
 
         Queued like any task, so it captures the state exactly between two tasks."""
-        states = {name: self.roles[name].state_dict(shards=shards) for name in self._stateful()}
-        return {"roles": states, "versions": dict(self.versions)}
+        if shards is None:
+            raise ValueError("get_state writes the roles' tensors to a directory: pass shards=")
+        roles = {name: self.roles[name] for name in self._stateful()}
+        return {"roles": save_states(shards, roles, self.group, self.rank), "versions": dict(self.versions)}
 
     def set_state(self, state: dict[str, Any], shards: str | None = None, own: bool = True) -> int:
-        """Load :meth:`get_state`'s output; ``own``: written by this very rank (else by another
-        rank of the pool, whose per-rank parts, such as its sampling RNG, are not taken)."""
-        for name, role_state in state["roles"].items():
-            self.roles[name].load_state_dict(role_state, shards=shards, own=own)
+        """Load :meth:`get_state`'s output (``shards``: the checkpoint it was written into);
+        ``own``: written by this very rank (else by another rank of the pool, whose per-rank
+        parts, such as its sampling stream, are not taken)."""
+        load_states(shards, self.roles, state["roles"], self.group, self.rank, own)
         self.versions.update(state["versions"])
         for owner in self.versions:
             self._set_version(owner)

@@ -1,26 +1,26 @@
-"""``flowrl export``: a Hugging Face model directory from a run's checkpoint.
+"""``flowrl export``: a Hugging Face model directory from a role's checkpointed state.
 
-A checkpoint ``<run>/checkpoints/step_<K>/`` names its graph in ``meta.json``
-(the role's model spec: ``builtin:tiny`` or a local directory, and its dtype)
-and holds the role's weights in one of two forms, read by one function,
-:func:`checkpoint_weights`:
+The runtime's checkpointer reads the role's state (whole tensors, whatever
+number of ranks wrote them) and the graph it belongs to; this module builds the
+role's model from the graph (``builtin:tiny`` or a local directory, its dtype),
+maps the checkpoint's names onto it through a :class:`StateDictAdapter` (a tied
+parameter, stored once, is tied again) and writes ``config.json``,
+``model.safetensors`` and the tokenizer files.
 
-- whole: ``workers.pt``, every worker's role states (read with
-  ``torch.load(weights_only=True)``: tensors and plain containers only);
-- sharded: ``<role>/``, written by
-  :func:`operators.models.sharded_checkpoint.save_sharded` from any number of ranks.
-
-The output is ``config.json``, ``model.safetensors`` and the tokenizer files:
-``AutoModelForCausalLM.from_pretrained(out)`` gives the trained logits.
+The tokenizer is written to encode a plain prompt as the model saw prompts in
+training: when the chat template the prompts were formatted with starts with
+the BOS token and a plain encode does not add it, the exported tokenizer adds
+it, so ``transformers`` generation from ``tokenizer("copy 3 7 =")`` matches
+flowrl's.
 
 Example::
 
-    export_hf("runs/grpo", "exported/grpo-step100", step=100)
+    state, meta, path = CheckpointStore("runs/grpo/checkpoints").read_role("actor", step=100)
+    export_hf(state["model"], meta["graph"], "exported/grpo-step100", role="actor")
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -28,71 +28,62 @@ import torch
 
 from operators.models.fsdp import tied_parameters
 from operators.models.loading import load_model, save_model
-from operators.models.sharded_checkpoint import META_FILE, load_full_weights
 
 
 class ExportError(ValueError):
     """The run directory, step or role cannot be exported; says which and how to fix it."""
 
 
-def find_checkpoint(run_dir: str | Path, step: int | None = None) -> Path:
-    """``<run_dir>/checkpoints/step_<K>`` for ``step`` K (completed steps), or the newest one."""
-    root = Path(run_dir) / "checkpoints"
-    found = sorted((p for p in root.glob("step_*") if (p / "meta.json").is_file()),
-                   key=lambda p: int(p.name.split("_")[1])) if root.is_dir() else []
-    if not found:
-        raise ExportError(f"{root}: no complete checkpoint (a step_<K> directory with meta.json); "
-                          f"pass a run directory (trainer.out) of a run with trainer.checkpoint_every set")
-    if step is None:
-        return found[-1]
-    for path in found:
-        if int(path.name.split("_")[1]) == step:
-            return path
-    steps = ", ".join(str(int(p.name.split("_")[1])) for p in found)
-    raise ExportError(f"{root}: no checkpoint for step {step}; available steps: {steps}")
+class StateDictAdapter:
+    """Checkpoint names → the names of the model exported (torchtitan's ``StateDictAdapter``).
+
+    flowrl trains Hugging Face modules, so a name maps to itself; what the
+    adapter does is tie again what the checkpoint stored once.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.tied = tied_parameters(model)
+
+    def to_hf(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(state)
+        for names in self.tied:
+            present = next((n for n in names if n in out), None)
+            if present is not None:
+                out.update({n: out[present] for n in names if n not in out})
+        return out
 
 
-def checkpoint_weights(step_dir: str | Path, role: str = "actor") -> dict[str, torch.Tensor]:
-    """The full weights of ``role`` in a checkpoint directory, sharded or whole."""
-    step_dir = Path(step_dir)
-    if (step_dir / role / META_FILE).is_file():
-        return load_full_weights(step_dir / role)
-    whole = step_dir / "workers.pt"
-    if not whole.is_file():
-        raise ExportError(f"{step_dir}: holds neither {role}/{META_FILE} (sharded) nor workers.pt (whole)")
-    workers: dict[Any, Any] = torch.load(whole, map_location="cpu", weights_only=True)
-    # every rank of the pool holds the same full weights in a whole checkpoint: take the lowest
-    for key in sorted(workers, key=lambda k: tuple(str(x) for x in k) if isinstance(k, tuple) else (str(k),)):
-        roles = workers[key].get("roles", {})
-        if role in roles:
-            return dict(roles[role]["model"])
-    held = sorted({r for w in workers.values() for r in w.get("roles", {})})
-    raise ExportError(f"{whole}: no role {role!r}; it holds {', '.join(held) or 'no roles'} (pass --role)")
+def with_training_bos(tokenizer: Any) -> Any:
+    """``tokenizer``, adding the BOS token on a plain encode when training prompts began with it
+    (flowrl encodes a prompt's chat-template text without special tokens, so a template that
+    renders ``bos_token`` first gives every prompt a BOS) and a plain encode does not."""
+    bos = tokenizer.bos_token_id
+    if bos is None or getattr(tokenizer, "chat_template", None) is None:
+        return tokenizer
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=True,
+                                         tokenize=False)
+    trained = tokenizer.encode(text, add_special_tokens=False)[:1] == [bos]
+    if trained and tokenizer("x")["input_ids"][:1] != [bos]:
+        tokenizer.add_bos_token = True
+    return tokenizer
 
 
-def export_hf(run_dir: str | Path, out_dir: str | Path, step: int | None = None,
-              role: str = "actor") -> Path:
-    """Write ``role``'s weights at ``step`` (default: the newest) as a HF directory ``out_dir``."""
-    step_dir = find_checkpoint(run_dir, step)
-    meta = json.loads((step_dir / "meta.json").read_text())
-    roles = (meta.get("graph") or {}).get("roles") or {}
+def export_hf(weights: dict[str, torch.Tensor], graph: dict[str, Any], out_dir: str | Path,
+              role: str = "actor", where: str | Path = "the checkpoint") -> Path:
+    """Write ``role``'s model with ``weights`` (its checkpointed model state) as a HF directory
+    ``out_dir``; ``graph``: the config the checkpoint belongs to; ``where``: named in errors."""
+    roles = graph.get("roles") or {}
     if role not in roles:
-        raise ExportError(f"{step_dir}/meta.json: the graph has no role {role!r}; "
-                          f"roles: {', '.join(sorted(roles)) or 'none'} (pass --role)")
+        raise ExportError(f"{where}: the graph has no role {role!r}; roles: {', '.join(sorted(roles)) or 'none'} "
+                          f"(pass --role)")
     cfg = roles[role]
     source = cfg.get("from")
     spec_cfg = roles.get(source, cfg) if source else cfg
     spec, dtype = spec_cfg.get("model", "builtin:tiny"), spec_cfg.get("dtype", "float32")
-    weights = checkpoint_weights(step_dir, role)
     model, tokenizer = load_model(spec, dtype=dtype)
-    for names in tied_parameters(model):
-        present = next((n for n in names if n in weights), None)
-        for name in names:
-            if present is not None and name not in weights:
-                weights[name] = weights[present]
     try:
-        model.load_state_dict(weights, strict=True)
+        model.load_state_dict(StateDictAdapter(model).to_hf(weights), strict=True)
     except RuntimeError as err:
-        raise ExportError(f"{step_dir}: the weights of role {role!r} do not fit model {spec!r}: "
+        raise ExportError(f"{where}: the weights of role {role!r} do not fit model {spec!r}: "
                           f"{str(err).splitlines()[0]}") from err
-    return save_model(model, tokenizer, out_dir)
+    return save_model(model, with_training_bos(tokenizer), out_dir)
