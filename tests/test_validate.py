@@ -171,3 +171,14 @@ def test_a_tokenizer_without_a_chat_template(model_dir, tmp_path):
                                         ("/no/such/tokenizer", "no such directory")])
 def test_a_data_tokenizer_that_does_not_load(spec, says):
     rejected(validate(f"data.tokenizer={spec}"), says)
+
+
+def test_a_model_config_that_transformers_refuses(model_dir, tmp_path):
+    bad = broken_copy(model_dir, tmp_path)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))
+    rejected(validate(f"roles.actor.model={bad}"), "role 'actor'", "transformers cannot load", "hidden_size")
+
+
+def test_max_new_tokens_the_engine_cannot_allocate():
+    rejected(validate("nodes.generate.max_new_tokens=1000000000"), "node 'generate'", "'max_new_tokens'")

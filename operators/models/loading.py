@@ -97,8 +97,8 @@ WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin
 
 def check_model_spec(spec: str) -> None:
     """Raise :class:`ModelLoadError` unless ``spec`` is a builtin model or a local Hugging Face
-    directory with weights, a tokenizer and a ``config.json`` that loads — cheap enough for
-    ``flowrl validate`` (no weights read, no transformers imported)."""
+    directory with weights, a tokenizer and a ``config.json`` that transformers loads — cheap enough for
+    ``flowrl validate`` (no weights read; transformers is imported only for a directory)."""
     if spec.startswith("builtin:"):
         check_tokenizer_spec(spec)
         return
@@ -111,6 +111,12 @@ def check_model_spec(spec: str) -> None:
                              f"model.save_pretrained(path)") from None
     if not isinstance(loaded, dict) or "model_type" not in loaded:
         raise ModelLoadError(f"model {spec!r}: {config} has no 'model_type'; it is not a transformers model config")
+    try:  # transformers types every field: only its own loader tells a config it will refuse
+        hf("AutoConfig").from_pretrained(str(path))
+    except Exception as err:  # noqa: BLE001 - transformers and huggingface_hub raise many kinds here
+        reason = " ".join(str(err).split())
+        raise ModelLoadError(f"model {spec!r}: transformers cannot load {config}: {reason}; fix the file or save "
+                             f"the model again with model.save_pretrained(path)") from None
     if not any(next(path.glob(pattern), None) for pattern in WEIGHT_GLOBS):
         raise ModelLoadError(f"model {spec!r}: {path.resolve()} has no weights (model.safetensors or "
                              f"pytorch_model.bin); save them with model.save_pretrained(path)")
