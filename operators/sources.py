@@ -12,16 +12,21 @@ Example YAML::
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from tokenizers import Tokenizer
 
 from flowrl.graph import source
 from flowrl.graph.checks import DataSourceError, graph_check
-from operators.data import DatasetError, PromptLoader, inspect_file, load_dataset
-from operators.models import load_tokenizer
+from operators.data.dataset import (SAMPLE_ROWS, DatasetError, PromptLoader, chat_messages, check_batch_size,
+                                    inspect_file, load_dataset, unknown_words, vocabulary_problem)
+from operators.data.tasks import TaskRows
+from operators.models.loading import (ModelLoadError, check_tokenizer_spec, has_chat_template, load_tokenizer,
+                                      vocabulary)
 
 # tensordict (under DataProto) is imported where a batch is built: ``flowrl validate`` checks
 # a source's config and files without making one
@@ -63,18 +68,82 @@ class PromptSourceConfig(BaseModel):
         return v
 
 
+FILE_FIX = "convert the file to verl's schema (prompt, data_source, reward_model.ground_truth, extra_info)"
+
+
+@lru_cache(maxsize=8)
+def source_rows(spec: str, size: int) -> tuple[int, list[dict[str, Any]]]:
+    """``(number of rows, the first rows)`` of ``builtin:<task>`` (``size`` rows) or a dataset file, checked
+    as the run checks them and read as little as possible: what validate-time checks inspect."""
+    if spec.startswith("builtin:"):
+        return size, list(TaskRows(spec, size=min(size, SAMPLE_ROWS), seed=0))
+    return inspect_file(spec)
+
+
 @graph_check
-def _dataset_files_open(graph):
-    """A dataset file that does not open, has no rows or lacks a column fails at validate time."""
-    data = graph.config.data
-    for key, spec in (("source", data.source), ("val_source", data.settings.get("val_source"))):
-        if isinstance(spec, str) and not spec.startswith("builtin:") and Path(spec).is_file():
+def _data_source_fits(graph):
+    """What the run's prompt loader would refuse, found from the files without tokenizing a batch: an
+    unknown task, a file that does not fit verl's schema (sampled rows), fewer rows than a batch, a
+    tokenizer without a chat template, words outside its vocabulary, prompts over max_prompt_length."""
+    try:
+        cfg = PromptSourceConfig.model_validate(graph.config.data.dump())
+    except ValidationError:
+        return  # the graph's build reports the data: settings
+    spec, origin = tokenizer_origin(cfg, graph.config.roles)
+    tok_at = graph.locate(*origin)
+    try:
+        check_tokenizer_spec(spec)
+    except ModelLoadError as err:
+        if cfg.tokenizer:  # a model's own tokenizer is reported with the model
+            yield DataSourceError(str(err), location=tok_at, fix="set data.tokenizer to builtin:tiny or a "
+                                  "local Hugging Face directory with a tokenizer")
+        return
+    if not has_chat_template(spec):
+        yield DataSourceError(
+            f"the tokenizer of {spec!r} has no chat template, and every prompt is formatted with it",
+            location=tok_at, fix="save the tokenizer with one (tokenizer.chat_template = ...; "
+                                 "tokenizer.save_pretrained(path)), or set data.tokenizer to one that has it")
+    vocab = vocabulary(spec)
+    for key, source_spec in (("source", cfg.source), ("val_source", cfg.val_source)):
+        if source_spec is None:
+            continue
+        where = graph.locate("data", key)
+        try:
+            n_rows, rows = source_rows(source_spec, cfg.task_size if key == "source" else cfg.val_size)
+        except (DatasetError, OSError, ValueError) as err:
+            yield DataSourceError(str(err), location=where,
+                                  fix="" if source_spec.startswith("builtin:") else FILE_FIX)
+            continue
+        if key == "source":
             try:
-                inspect_file(spec)
-            except (DatasetError, OSError) as err:
-                yield DataSourceError(str(err), location=graph.locate("data", key),
-                                      fix="convert the file to verl's schema (prompt, data_source, "
-                                          "reward_model.ground_truth, extra_info)")
+                check_batch_size(source_spec, cfg.batch_size, n_rows)
+            except DatasetError as err:
+                yield DataSourceError(str(err), location=graph.locate("data", "batch_size"),
+                                      fix="lower data.batch_size" + (", or raise data.task_size"
+                                                                     if source_spec.startswith("builtin:") else ""))
+        if vocab is not None and (problem := _prompts_problem(rows, vocab, cfg)):
+            yield DataSourceError(f"{source_spec}: {problem}", location=where,
+                                  fix="use prompts the tokenizer can read, or another tokenizer (data.tokenizer)")
+
+
+def _prompts_problem(rows: list[dict[str, Any]], vocab: Tokenizer, cfg: PromptSourceConfig) -> str | None:
+    """The first sampled row whose words the tokenizer does not know, or whose messages alone are longer
+    than ``max_prompt_length`` when an overlong prompt is an error."""
+    unk_token = getattr(vocab.model, "unk_token", None)
+    unk_id = vocab.token_to_id(unk_token) if unk_token else None
+    limit = cfg.max_prompt_length if cfg.truncation == "error" and not cfg.filter_overlong_prompts else None
+
+    def encode(text: str) -> list[int]:
+        return vocab.encode(text, add_special_tokens=False).ids
+
+    for i, row in enumerate(rows):
+        messages = chat_messages(row["prompt"])
+        if unk_id is not None and (words := unknown_words(messages, encode, unk_id)):
+            return f"row {i}: {vocabulary_problem(words, unk_token)}"
+        if limit is not None and (n := sum(len(encode(str(m.get("content", "")))) for m in messages)) > limit:
+            return (f"row {i}: a prompt of at least {n} tokens, over max_prompt_length={limit}; raise "
+                    f"max_prompt_length, set truncation to 'left' or 'right', or filter_overlong_prompts")
+    return None
 
 
 class PromptSource:
@@ -131,13 +200,18 @@ class PromptSource:
 
 def default_tokenizer(cfg: PromptSourceConfig, roles: dict[str, Any]) -> str:
     """The tokenizer a source uses: its own setting, else the first role's model."""
+    return tokenizer_origin(cfg, roles)[0]
+
+
+def tokenizer_origin(cfg: PromptSourceConfig, roles: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
+    """The tokenizer a source uses and the config key that names it (``data.tokenizer``, a role's model)."""
     if cfg.tokenizer:
-        return cfg.tokenizer
-    for role in roles.values():
+        return cfg.tokenizer, ("data", "tokenizer")
+    for name, role in roles.items():
         settings = role.settings if hasattr(role, "settings") else dict(role)
         if "model" in settings:
-            return str(settings["model"])
-    return "builtin:tiny"
+            return str(settings["model"]), ("roles", name, "model")
+    return "builtin:tiny", ("data", "source")
 
 
 def _fields(cfg: PromptSourceConfig) -> dict[str, str]:

@@ -113,7 +113,7 @@ def test_missing_file_and_columns_are_named(tmp_path):
         PromptDataset.from_file(path, TOK)
     assert str(path) in str(err.value)
     path = write(tmp_path, [ROWS[0], {k: v for k, v in ROWS[1].items() if k != "prompt"}], "jsonl")
-    with pytest.raises(DatasetError, match=r"data.jsonl: row 1 has no value for column 'prompt'"):
+    with pytest.raises(DatasetError, match=r"data.jsonl: row 1: no value for column 'prompt'"):
         PromptDataset.from_file(path, TOK)
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(DatasetError, match="unsupported dataset format '.csv'"):

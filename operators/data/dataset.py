@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -83,20 +83,99 @@ def prompt_problem(prompt: Any) -> str | None:
             f"messages like [{{'role': 'user', 'content': '...'}}]")
 
 
-def inspect_file(path: str | Path) -> None:
-    """Check a dataset file opens and has rows and the required columns, reading as little as it can
-    (a parquet file's schema and row count; a jsonl file is read whole) — what ``flowrl validate`` runs."""
+#: rows of a file ``flowrl validate`` reads and checks (a jsonl file is read whole: its rows are all checked)
+SAMPLE_ROWS = 256
+
+
+def row_problem(row: Mapping[str, Any]) -> str | None:
+    """What is wrong with one row in verl's schema, or None: the one rule the run and ``flowrl validate`` share."""
+    if missing := [c for c in REQUIRED_COLUMNS if row.get(c) is None]:
+        return f"no value for column {missing[0]!r}"
+    if problem := prompt_problem(row["prompt"]):
+        return problem
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
+        return "column 'reward_model' needs a 'ground_truth' key"
+    style = reward_model.get("style") or "rule"
+    if style not in ("rule", "model"):
+        return f"reward_model.style is {style!r}; use 'rule' or 'model'"
+    extra = row.get("extra_info")
+    if extra is not None and not isinstance(extra, Mapping):
+        return f"'extra_info' is {type(extra).__name__} {str(extra)[:60]!r}; give a dict (or leave it out)"
+    return None
+
+
+def _check_schema(path: Path, schema: Any) -> None:
+    """A parquet column whose type no row could fit, named before any row is read."""
+    import pyarrow as pa
+
+    def is_text(t: Any) -> bool:
+        return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
+
+    def is_record(t: Any) -> bool:
+        return pa.types.is_struct(t) or pa.types.is_map(t) or pa.types.is_null(t)
+
+    expect = {
+        "prompt": ("a string or a list of chat messages (struct of role, content)",
+                   lambda t: is_text(t) or ((pa.types.is_list(t) or pa.types.is_large_list(t))
+                                            and (pa.types.is_struct(t.value_type) or pa.types.is_null(t.value_type)))),
+        "data_source": ("a string", is_text),
+        "reward_model": ("a struct with ground_truth", lambda t: is_record(t) and not (
+            pa.types.is_struct(t) and t.get_field_index("ground_truth") < 0)),
+        "extra_info": ("a struct (a dict per row)", is_record),
+    }
+    for column, (what, fits) in expect.items():
+        if column in schema.names and not fits(schema.field(column).type):
+            raise DatasetError(f"{path}: column {column!r} has type {schema.field(column).type}; verl's schema "
+                               f"needs {what}")
+
+
+def chat_messages(prompt: Any) -> list[Mapping[str, Any]]:
+    """A checked ``prompt`` as chat messages: a string is one user message."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+
+
+def check_batch_size(name: str, batch_size: int, n_rows: int) -> None:
+    """Raise :class:`DatasetError` when a dataset of ``n_rows`` cannot fill one batch of ``batch_size``."""
+    if batch_size > n_rows:
+        raise DatasetError(f"{name}: batch_size={batch_size} exceeds its {n_rows} rows")
+
+
+def unknown_words(messages: Sequence[Mapping[str, Any]], encode: Callable[[str], list[int]], unk_id: int) -> list[str]:
+    """The words of ``messages`` that ``encode`` reads as the unknown token ``unk_id``, sorted."""
+    return sorted({w for m in messages for w in str(m.get("content", "")).split() if unk_id in encode(w)})
+
+
+def vocabulary_problem(words: Sequence[str], unk_token: str) -> str:
+    """What the run says of a prompt with words outside a closed vocabulary."""
+    return (f"the prompt has words outside the tokenizer's vocabulary "
+            f"({', '.join(repr(w) for w in words[:8]) or 'some characters'}), which would be read as "
+            f"{unk_token}; use a tokenizer that knows them (a real model's), or prompts in its vocabulary")
+
+
+def inspect_file(path: str | Path, sample: int = SAMPLE_ROWS) -> tuple[int, list[dict[str, Any]]]:
+    """``(number of rows, the first rows)`` of a dataset file, checked as the run checks them, reading as
+    little as it can: a parquet file's schema and its first ``sample`` rows; a jsonl file is read whole
+    (every row checked) — what ``flowrl validate`` runs."""
     path = Path(path)
     if path.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
         try:
             meta = pq.ParquetFile(path)
+            check_columns(path, list(meta.schema_arrow.names), meta.metadata.num_rows)
+            _check_schema(path, meta.schema_arrow)
+            rows = next(meta.iter_batches(batch_size=sample)).to_pylist()
+        except DatasetError:
+            raise
         except Exception as err:  # noqa: BLE001 - pyarrow raises several kinds for a file it cannot read
             raise DatasetError(f"{path}: not a readable parquet file ({err})") from None
-        check_columns(path, list(meta.schema_arrow.names), meta.metadata.num_rows)
-    else:
-        read_rows(path)
+        for i, row in enumerate(rows):
+            if problem := row_problem(row):
+                raise DatasetError(f"{path}: row {i}: {problem}")
+        return meta.metadata.num_rows, rows
+    rows = read_rows(path)
+    return len(rows), rows[:sample]
 
 
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
@@ -128,10 +207,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     else:
         raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
     check_columns(path, columns, len(rows))
+    if suffix == ".parquet":
+        _check_schema(path, table.schema)
     for i, row in enumerate(rows):
-        if column_missing := [c for c in REQUIRED_COLUMNS if row.get(c) is None]:
-            raise DatasetError(f"{path}: row {i} has no value for column {column_missing[0]!r}")
-        if problem := prompt_problem(row["prompt"]):
+        if problem := row_problem(row):
             raise DatasetError(f"{path}: row {i}: {problem}")
     return rows
 
@@ -227,7 +306,7 @@ class PromptDataset:
         problem = prompt_problem(prompt)
         if problem:
             raise DatasetError(f"{where}: {problem}")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        messages = chat_messages(prompt)
         key = json.dumps(messages, sort_keys=True, default=str)
         if key not in self._cache:
             text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -235,13 +314,8 @@ class PromptDataset:
             unk = self.tokenizer.unk_token_id
             if unk is not None and unk in ids:
                 # a closed vocabulary (builtin:tiny's) would silently read the word as <unk>
-                words = sorted({w for m in messages for w in str(m.get("content", "")).split()
-                                if unk in self.tokenizer.encode(w, add_special_tokens=False)})
-                raise DatasetError(
-                    f"{where}: the prompt has words outside the tokenizer's vocabulary "
-                    f"({', '.join(repr(w) for w in words[:8]) or 'some characters'}), which would be read as "
-                    f"{self.tokenizer.unk_token}; use a tokenizer that knows them (a real model's), or prompts "
-                    f"in its vocabulary")
+                words = unknown_words(messages, lambda w: self.tokenizer.encode(w, add_special_tokens=False), unk)
+                raise DatasetError(f"{where}: {vocabulary_problem(words, self.tokenizer.unk_token)}")
             self._cache[key] = ids
         return self._cache[key]
 
@@ -265,6 +339,9 @@ class PromptDataset:
         """The batch of rows ``indices`` (positions among the kept rows), as documented above."""
         prompts = [self.prompt_ids(i) for i in indices]
         rows = [self.rows[self.row_ids[i]] for i in indices]
+        for row, i in zip(rows, indices):  # rows given directly (not read from a file) are checked here
+            if problem := row_problem(row):
+                raise DatasetError(f"{self.name}: row {self.row_ids[i]}: {problem}")
         input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_token_id, self.max_prompt_length)
         extra = [dict(row.get("extra_info") or {}) for row in rows]
         return {
@@ -273,11 +350,9 @@ class PromptDataset:
             "position_ids": position_ids_from_mask(attention_mask),
             "raw_prompt_ids": object_array(prompts),
             "data_source": object_array([row["data_source"] for row in rows]),
-            "ground_truth": object_array([_ground_truth(row, self.name, self.row_ids[i])
-                                      for row, i in zip(rows, indices)]),
+            "ground_truth": object_array([row["reward_model"]["ground_truth"] for row in rows]),
             "extra_info": object_array(extra),
-            "reward_style": object_array([_reward_style(row, self.name, self.row_ids[i])
-                                          for row, i in zip(rows, indices)]),
+            "reward_style": object_array([row["reward_model"].get("style") or "rule" for row in rows]),
             "tools_kwargs": object_array([e.get("tools_kwargs") or {} for e in extra]),
             "interaction_kwargs": object_array([e.get("interaction_kwargs") or {} for e in extra]),
             "agent_name": object_array([row.get("agent_name") for row in rows]),
@@ -291,21 +366,6 @@ def object_array(values: Sequence[Any]) -> np.ndarray:
     for i, value in enumerate(values):  # item by item: equal-length lists must stay lists
         out[i] = value
     return out
-
-
-def _reward_style(row: Mapping[str, Any], name: str, row_id: int) -> str:
-    """``reward_model.style``: who scores the row, ``rule`` (the default) or ``model``."""
-    style = row["reward_model"].get("style") or "rule"
-    if style not in ("rule", "model"):
-        raise DatasetError(f"{name}: row {row_id}: reward_model.style is {style!r}; use 'rule' or 'model'")
-    return style
-
-
-def _ground_truth(row: Mapping[str, Any], name: str, row_id: int) -> Any:
-    reward_model = row.get("reward_model")
-    if not isinstance(reward_model, Mapping) or "ground_truth" not in reward_model:
-        raise DatasetError(f"{name}: row {row_id}: column 'reward_model' needs a 'ground_truth' key")
-    return reward_model["ground_truth"]
 
 
 def load_dataset(
@@ -354,8 +414,8 @@ class PromptLoader:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
         if len(dataset) == 0:
             raise DatasetError(f"{dataset.name}: no rows left (after filtering overlong prompts)")
-        if drop_last and batch_size > len(dataset):
-            raise DatasetError(f"{dataset.name}: batch_size={batch_size} exceeds its {len(dataset)} rows")
+        if drop_last:
+            check_batch_size(dataset.name, batch_size, len(dataset))
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Union
 
 import torch
+from tokenizers import Tokenizer
 
 from operators.models.hf import hf
-from operators.models.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config
-from operators.models.tiny_tools import build_tiny_tools_model, build_tiny_tools_tokenizer, tiny_tools_config
+from operators.models.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config, tiny_core_tokenizer
+from operators.models.tiny_tools import (build_tiny_tools_model, build_tiny_tools_tokenizer, tiny_tools_config,
+                                         tiny_tools_core_tokenizer)
 from operators.models.value import ValueModel
 
 # transformers is fetched (:func:`hf`) where a model or tokenizer is built: checking a spec
@@ -86,14 +88,22 @@ def _check_dir(spec: str) -> Path:
     return path
 
 
+#: files any of which makes a directory's tokenizer loadable by transformers
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model")
+#: weight files (a sharded checkpoint names its shards in an index)
+WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model.bin.index.json")
+
+
 def check_model_spec(spec: str) -> None:
     """Raise :class:`ModelLoadError` unless ``spec`` is a builtin model or a local Hugging Face
-    directory whose ``config.json`` loads — cheap enough for ``flowrl validate`` (no weights read)."""
+    directory with weights, a tokenizer and a ``config.json`` that transformers loads — cheap enough for
+    ``flowrl validate`` (no weights read; transformers is imported only for a directory)."""
     if spec.startswith("builtin:"):
-        if spec not in BUILTIN_MODELS:
-            raise ModelLoadError(f"model {spec!r}: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}")
+        check_tokenizer_spec(spec)
         return
-    config = _check_dir(spec) / "config.json"
+    path = _check_dir(spec)
+    config = path / "config.json"
     try:
         loaded = json.loads(config.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as err:
@@ -101,6 +111,59 @@ def check_model_spec(spec: str) -> None:
                              f"model.save_pretrained(path)") from None
     if not isinstance(loaded, dict) or "model_type" not in loaded:
         raise ModelLoadError(f"model {spec!r}: {config} has no 'model_type'; it is not a transformers model config")
+    try:  # transformers types every field: only its own loader tells a config it will refuse
+        hf("AutoConfig").from_pretrained(str(path))
+    except Exception as err:  # noqa: BLE001 - transformers and huggingface_hub raise many kinds here
+        reason = " ".join(str(err).split())
+        raise ModelLoadError(f"model {spec!r}: transformers cannot load {config}: {reason}; fix the file or save "
+                             f"the model again with model.save_pretrained(path)") from None
+    if not any(next(path.glob(pattern), None) for pattern in WEIGHT_GLOBS):
+        raise ModelLoadError(f"model {spec!r}: {path.resolve()} has no weights (model.safetensors or "
+                             f"pytorch_model.bin); save them with model.save_pretrained(path)")
+    check_tokenizer_spec(spec)
+
+
+def check_tokenizer_spec(spec: str) -> None:
+    """Raise :class:`ModelLoadError` unless :func:`load_tokenizer` would find a tokenizer for ``spec``."""
+    if spec.startswith("builtin:"):
+        if spec not in BUILTIN_MODELS:
+            raise ModelLoadError(f"model {spec!r}: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}")
+        return
+    path = _check_dir(spec)
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"model {spec!r}: {path.resolve()} has no tokenizer (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); save one there with tokenizer.save_pretrained(path)")
+
+
+def has_chat_template(spec: str) -> bool:
+    """Whether the tokenizer of ``spec`` (builtin or a checked directory) carries a chat template, read
+    from its files: ``chat_template.jinja``/``.json`` or ``tokenizer_config.json``'s ``chat_template``."""
+    if spec in BUILTIN_MODELS:
+        return True
+    path = Path(spec).expanduser()
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    if (path / "additional_chat_templates").is_dir() and any((path / "additional_chat_templates").iterdir()):
+        return True
+    try:
+        config = json.loads((path / "tokenizer_config.json").read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def vocabulary(spec: str) -> Tokenizer | None:
+    """The ``tokenizers`` core of ``spec``'s tokenizer (no transformers): what tells which words it knows;
+    None where there is none to read (a sentencepiece-only directory)."""
+    if spec == "builtin:tiny":
+        return tiny_core_tokenizer()
+    if spec == "builtin:tiny-tools":
+        return tiny_tools_core_tokenizer()
+    path = Path(spec).expanduser() / "tokenizer.json"
+    try:
+        return Tokenizer.from_file(str(path)) if path.is_file() else None
+    except Exception:  # noqa: BLE001 - a tokenizer.json tokenizers cannot read is left to the run's loader
+        return None
 
 
 def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:

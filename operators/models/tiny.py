@@ -46,6 +46,17 @@ CHAT_TEMPLATE = (
 )
 
 
+def tiny_core_tokenizer() -> Tokenizer:
+    """The word-level ``tokenizers`` core of :func:`build_tiny_tokenizer`, without transformers: enough to
+    tell which words it knows (``flowrl validate`` reads prompts with it)."""
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    core.add_special_tokens(SPECIAL_TOKENS)
+    return core
+
+
 def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     """The word-level tokenizer of ``builtin:tiny`` (left padding, chat template set).
 
@@ -58,13 +69,8 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
         [21, 7, 8, 16]
     """
     PreTrainedTokenizerFast = hf("PreTrainedTokenizerFast")
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
-    )
-    core.add_special_tokens(SPECIAL_TOKENS)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core,
+        tokenizer_object=tiny_core_tokenizer(),
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,

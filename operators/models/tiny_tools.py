@@ -75,6 +75,17 @@ WARMUP_LR = 3e-3
 WARMUP_BATCH = 64
 
 
+def tiny_tools_core_tokenizer() -> Tokenizer:
+    """The ``tokenizers`` core of :func:`build_tiny_tools_tokenizer`, without transformers (for validate)."""
+    pieces = [t for t in VOCAB if len(t) > 1 and t not in SPECIAL_TOKENS]
+    pattern = "|".join(re.escape(p) for p in sorted(pieces, key=len, reverse=True)) + r"|\d|[A-Za-z_]+|[\s\S]"
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens(SPECIAL_TOKENS)
+    return core
+
+
 def build_tiny_tools_tokenizer() -> PreTrainedTokenizerFast:
     """The lossless tokenizer of ``builtin:tiny-tools`` (left padding, chat template set).
 
@@ -85,14 +96,8 @@ def build_tiny_tools_tokenizer() -> PreTrainedTokenizerFast:
         '<|tool|>85<|end|>'
     """
     PreTrainedTokenizerFast = hf("PreTrainedTokenizerFast")
-    pieces = [t for t in VOCAB if len(t) > 1 and t not in SPECIAL_TOKENS]
-    pattern = "|".join(re.escape(p) for p in sorted(pieces, key=len, reverse=True)) + r"|\d|[A-Za-z_]+|[\s\S]"
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-    core.decoder = decoders.Fuse()
-    core.add_special_tokens(SPECIAL_TOKENS)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
+        tokenizer_object=tiny_tools_core_tokenizer(), bos_token=BOS, eos_token=EOS, pad_token=PAD, unk_token=UNK,
         padding_side="left", model_max_length=256, clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -12,7 +12,8 @@ from operators.rollout.base import SamplingParams
 
 class Generate(Params):
     n: int = Field(1, ge=1, description="samples per prompt (a GRPO group)")
-    max_new_tokens: int = Field(16, ge=1, description="response length limit")
+    # a million tokens is past any model's context; the engine allocates rows × max_new_tokens up front
+    max_new_tokens: int = Field(16, ge=1, le=2**20, description="response length limit")
     temperature: float = Field(1.0, ge=0, description="0 or greedy=true: argmax")
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1, description="keep the k most likely tokens; 0 or -1: no top-k filtering")
