@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -34,16 +34,30 @@ from operators.models.microbatch import response_lengths, restore, token_budget_
 from operators.models.sharded_checkpoint import load_sharded, save_sharded
 from operators.rewards import RewardModelScorer
 from operators.rollout.base import prompt_seeds
+from operators.rollout.engines import EngineSource, build_rollout_engine, check_engine_options, engine_spec
 
 
 class RolloutConfig(BaseModel):
-    """Which engine generates: ``hf`` (transformers, CPU or GPU) or ``sglang`` (GPU)."""
+    """Which engine generates (``operators.rollout.engines``): ``hf`` (transformers, CPU or GPU),
+    ``sglang`` (GPU) or ``vllm`` (vLLM, CPU or GPU); ``engine_kwargs`` are checked against its options."""
 
     model_config = ConfigDict(extra="forbid")
-    engine: Literal["hf", "sglang"] = "hf"
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to sglang.Engine")
+    engine: str = "hf"
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="the engine's options: vllm's "
+                                          "VLLMOptions, sglang.Engine's keyword arguments")
     drop_finished: bool = Field(True, description="hf: finished rows leave the decode batch and responses are "
                                 "as wide as the longest; false: every row steps to the end, max_new_tokens wide")
+
+    @model_validator(mode="after")
+    def _known_engine_and_options(self) -> "RolloutConfig":
+        check_engine_options(self.engine, self.options())
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The engine's options: ``engine_kwargs``, and ``drop_finished`` for ``hf``."""
+        if self.engine == "hf":
+            return {"drop_finished": self.drop_finished, **self.engine_kwargs}
+        return dict(self.engine_kwargs)
 
 
 def check_model_path(spec: str) -> str:
@@ -379,20 +393,13 @@ class Actor(TrainableRole):
     def engine(self):
         """The rollout engine, built on first use (a frozen reference never needs one)."""
         if self._engine is None:
-            seed = self.ctx.seed * 1009 + self.ctx.rank
-            if self.cfg.rollout.engine == "sglang":
-                from operators.rollout import SGLangRolloutEngine
-
-                self._engine = SGLangRolloutEngine(
-                    self.cfg.model, pad_token_id=self.tokenizer.pad_token_id,
-                    stop_token_ids=[self.tokenizer.eos_token_id], seed=seed, **self.cfg.rollout.engine_kwargs)
-            else:
-                from operators.rollout import HFRolloutEngine
-
-                self._engine = HFRolloutEngine(self.model, self.tokenizer, seed=seed,
-                                               drop_finished=self.cfg.rollout.drop_finished)
-                if self.group.world_size > 1:  # generation calls forward per token: gather once
-                    self._engine = _UnshardedEngine(self._engine, self.model, self.group)
+            rollout = self.cfg.rollout
+            source = EngineSource(self.model, self.tokenizer, self.cfg.model, seed=self.ctx.seed * 1009 + self.ctx.rank,
+                                  world_size=self.group.world_size)
+            self._engine = build_rollout_engine(rollout.engine, source, rollout.options())
+            if engine_spec(rollout.engine).shares_model and self.group.world_size > 1:
+                # generation calls forward per token: gather once
+                self._engine = _UnshardedEngine(self._engine, self.model, self.group)
         return self._engine
 
     def sampling_seeds(self, batch: Any) -> torch.Tensor | None:

@@ -31,11 +31,13 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from flowrl.data.expand import expand_rows
 from operators.data.dataset import position_ids_from_mask
 from operators.models.hf import hf
 from operators.rollout.base import RolloutEngine, SamplingParams, rollout_output, sample_seeds, stream_uniforms
+from operators.rollout.engines import EngineSource, register_rollout_engine
 
 # transformers is fetched (:func:`hf`) where a model runs: declaring operators (``flowrl validate``) does not need it
 if TYPE_CHECKING:
@@ -245,6 +247,18 @@ class HFRolloutEngine(RolloutEngine):
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
+
+
+class HFOptions(BaseModel):
+    """Options of the ``hf`` engine (``rollout.drop_finished`` is passed as one)."""
+
+    model_config = ConfigDict(extra="forbid")
+    drop_finished: bool = True
+
+
+@register_rollout_engine("hf", HFOptions, shares_model=True)
+def _build_hf(source: EngineSource, options: HFOptions) -> HFRolloutEngine:
+    return HFRolloutEngine(source.model, source.tokenizer, seed=source.seed, drop_finished=options.drop_finished)
 
 
 def _default_stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

@@ -29,9 +29,11 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from flowrl.data.expand import expand_rows
 from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses, rollout_output, sample_seeds
+from operators.rollout.engines import EngineSource, register_rollout_engine
 
 
 def _import_sglang() -> Any:
@@ -142,3 +144,16 @@ class SGLangRolloutEngine(RolloutEngine):
     def shutdown(self) -> None:
         """Stop sglang's scheduler and detokenizer processes."""
         self.engine.shutdown()
+
+
+class SGLangOptions(BaseModel):
+    """Options of the ``sglang`` engine: keyword arguments of ``sglang.Engine``, which checks them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+@register_rollout_engine("sglang", SGLangOptions)
+def _build_sglang(source: EngineSource, options: SGLangOptions) -> SGLangRolloutEngine:
+    return SGLangRolloutEngine(source.model_path, pad_token_id=source.tokenizer.pad_token_id,
+                               stop_token_ids=[source.tokenizer.eos_token_id], seed=source.seed,
+                               **options.model_dump())

@@ -62,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from flowrl.data.expand import expand_rows
 from operators.rollout.base import (RolloutEngine, SamplingParams, pad_responses, rollout_output,
                                    sample_seeds)
+from operators.rollout.engines import EngineSource, register_rollout_engine
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -567,3 +568,11 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
+
+
+@register_rollout_engine("vllm", VLLMOptions)
+def _build_vllm(source: EngineSource, options: VLLMOptions) -> VLLMRolloutEngine:
+    if source.world_size > 1:
+        raise ValueError("rollout engine 'vllm' with a sharded actor (a pool of more than one worker) is not "
+                         "supported yet: give the actor's pool one worker, or use engine 'hf'")
+    return VLLMRolloutEngine.from_model(source.model, source.tokenizer, seed=source.seed, options=options)
