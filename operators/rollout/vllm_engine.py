@@ -60,7 +60,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from flowrl.data.expand import expand_rows
-from operators.rollout.base import (RolloutEngine, SamplingParams, pad_responses, rollout_output,
+from operators.rollout.base import (RolloutEngine, SamplingParams, call_seeds, pad_responses, rollout_output,
                                    sample_seeds)
 from operators.rollout.engines import EngineSource, register_rollout_engine
 
@@ -397,15 +397,6 @@ class VLLMRolloutEngine(RolloutEngine):
     async def _requests(self, prompts: list[list[int]], samplings: list[Any]) -> list[tuple]:
         return await asyncio.gather(*(self._request(p, s) for p, s in zip(prompts, samplings)))
 
-    def _seeds(self, count: int, params: SamplingParams, seeds: torch.Tensor | None) -> torch.Tensor:
-        if seeds is not None:
-            seeds = torch.as_tensor(seeds, dtype=torch.int64).cpu().reshape(-1)
-            if len(seeds) != count:
-                raise ValueError(f"seeds has {len(seeds)} entries for {count} prompts: give one per prompt")
-            return seeds
-        generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        return torch.randint(0, 2**62, (count,), generator=generator)
-
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  params: SamplingParams | None = None, *, seeds: torch.Tensor | None = None,
                  **overrides: Any) -> dict[str, torch.Tensor]:
@@ -414,7 +405,7 @@ class VLLMRolloutEngine(RolloutEngine):
         attention_mask = attention_mask.long().cpu()
         input_ids = input_ids.cpu()
         with self._lock:
-            per_sample = sample_seeds(self._seeds(len(input_ids), params, seeds), params.n).tolist()
+            per_sample = sample_seeds(call_seeds(len(input_ids), params, seeds, self.generator), params.n).tolist()
             prompts = expand_rows(input_ids, params.n)
             prompt_mask = expand_rows(attention_mask, params.n)
             requests = [row[mask.bool()].tolist() for row, mask in zip(prompts, prompt_mask)]
