@@ -545,13 +545,21 @@ class VLLMRolloutEngine(RolloutEngine):
     # --- lifetime ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """Stop vLLM's engine processes and the engine's event loop."""
-        if getattr(self, "llm", None) is not None:
+        """Stop vLLM's engine processes and the engine's event loop (on that loop, so none of its tasks dangle)."""
+        if getattr(self, "llm", None) is None:
+            return
+
+        async def stop() -> None:
             self.llm.shutdown()
-            self.llm = None
-        if self._loop.is_running():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+        self._run(stop())
+        self.llm = None
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
 
     def rng_state(self) -> torch.Tensor:
         """The prompt-seed generator's state, for a checkpoint."""
