@@ -10,7 +10,7 @@ a shared machine are noisy; run it twice before believing a ratio.
 
 It needs vLLM: run it with build/vllm-venv's Python (``bash scripts/vllm_env.sh``).
 
-    build/vllm-venv/bin/python benchmarks/engines.py --smoke        # builtin:tiny, fp32, 8 tokens: the time is vLLM start-up (1-2 min)
+    build/vllm-venv/bin/python benchmarks/engines.py --smoke    # builtin:tiny, fp32, 8 tokens: mostly start-up
     build/vllm-venv/bin/python benchmarks/engines.py                # builtin:tiny and llama-25m, fp32 and bf16
     build/vllm-venv/bin/python benchmarks/engines.py --models builtin:tiny --lengths 128 512
 """

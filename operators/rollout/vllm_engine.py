@@ -120,8 +120,8 @@ def _import_vllm() -> Any:
 # --- the model directory vLLM loads -----------------------------------------------------------------
 
 def model_cache_dir() -> Path:
-    """Where models saved for vLLM go: ``$FLOWRL_CACHE/vllm-models`` (default ``~/.cache/flowrl``)."""
-    return Path(os.environ.get("FLOWRL_CACHE", Path.home() / ".cache" / "flowrl")) / "vllm-models"
+    """Where models saved for vLLM go: ``$FLOWRL_CACHE_DIR/vllm-models`` (default ``~/.cache/flowrl``)."""
+    return Path(os.environ.get("FLOWRL_CACHE_DIR", Path.home() / ".cache" / "flowrl")) / "vllm-models"
 
 
 def save_for_vllm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,
