@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any, Callable, Literal
 
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flowrl.graph import role_kind
 from operators.models import ModelLoadError, OptimConfig, check_model_spec, load_model
@@ -30,16 +30,30 @@ from operators.models.fsdp import unsharded
 from operators.models.sharded_checkpoint import ModelState
 from operators.rewards import RewardModelScorer
 from operators.rollout.base import prompt_seeds
+from operators.rollout.engines import EngineSource, build_rollout_engine, check_engine_options, engine_spec
 
 
 class RolloutConfig(BaseModel):
-    """Which engine generates: ``hf`` (transformers, CPU or GPU) or ``sglang`` (GPU)."""
+    """Which engine generates (``operators.rollout.engines``): ``hf`` (transformers, CPU or GPU),
+    ``sglang`` (GPU) or ``vllm`` (vLLM, CPU or GPU); ``engine_kwargs`` are checked against its options."""
 
     model_config = ConfigDict(extra="forbid")
-    engine: Literal["hf", "sglang"] = "hf"
-    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to sglang.Engine")
+    engine: str = "hf"
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="the engine's options: vllm's "
+                                          "VLLMOptions, sglang.Engine's keyword arguments")
     drop_finished: bool = Field(True, description="hf: finished rows leave the decode batch and responses are "
                                 "as wide as the longest; false: every row steps to the end, max_new_tokens wide")
+
+    @model_validator(mode="after")
+    def _known_engine_and_options(self) -> "RolloutConfig":
+        check_engine_options(self.engine, self.options())
+        return self
+
+    def options(self) -> dict[str, Any]:
+        """The engine's options: ``engine_kwargs``, and ``drop_finished`` for ``hf``."""
+        if self.engine == "hf":
+            return {"drop_finished": self.drop_finished, **self.engine_kwargs}
+        return dict(self.engine_kwargs)
 
 
 def check_model_path(spec: str) -> str:
@@ -205,20 +219,13 @@ class Actor(TrainableRole):
     def engine(self):
         """The rollout engine, built on first use (a frozen reference never needs one)."""
         if self._engine is None:
-            seed = self.ctx.seed * 1009 + self.ctx.rank
-            if self.cfg.rollout.engine == "sglang":
-                from operators.rollout import SGLangRolloutEngine
-
-                self._engine = SGLangRolloutEngine(
-                    self.cfg.model, pad_token_id=self.tokenizer.pad_token_id,
-                    stop_token_ids=[self.tokenizer.eos_token_id], seed=seed, **self.cfg.rollout.engine_kwargs)
-            else:
-                from operators.rollout import HFRolloutEngine
-
-                self._engine = HFRolloutEngine(self.model, self.tokenizer, seed=seed,
-                                               drop_finished=self.cfg.rollout.drop_finished)
-                if self.group.world_size > 1:  # generation calls forward per token: gather once
-                    self._engine = _UnshardedEngine(self._engine, self.model, self.group)
+            rollout = self.cfg.rollout
+            source = EngineSource(self.model, self.tokenizer, self.cfg.model, seed=self.ctx.seed * 1009 + self.ctx.rank,
+                                  world_size=self.group.world_size)
+            self._engine = build_rollout_engine(rollout.engine, source, rollout.options())
+            if engine_spec(rollout.engine).shares_model and self.group.world_size > 1:
+                # generation calls forward per token: gather once
+                self._engine = _UnshardedEngine(self._engine, self.model, self.group)
         return self._engine
 
     def sampling_seeds(self, batch: Any) -> torch.Tensor | None:
@@ -233,10 +240,41 @@ class Actor(TrainableRole):
         engine = self.engine
         return engine.held() if isinstance(engine, _UnshardedEngine) else contextlib.nullcontext()
 
+    def fit(self, batch: Any, loss_fn: LossFn, **schedule: Any) -> dict[str, float]:
+        """:meth:`TrainableRole.fit`, with a rollout engine of its own copy of the weights (vLLM,
+        sglang) handed its memory back while the update runs, where the device allows, and given
+        the new weights after it: its push and check metrics join the update's."""
+        releases = self._engine is not None and not self._engine_shares_model()
+        if releases:
+            self._engine.release_memory()
+        try:
+            metrics = super().fit(batch, loss_fn, **schedule)
+        finally:
+            if releases:
+                self._engine.resume_memory()
+        return {**metrics, **self._push_to_rollout(self.train_engine.named_weights(), self.version + 1)}
+
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         super().set_weights(weights)
-        if self._engine is not None and self.cfg.rollout.engine != "hf":
-            self._engine.update_weights(weights)  # the hf engine holds this very model
+        self._push_to_rollout(weights.items(), None)
+
+    def _engine_shares_model(self) -> bool:
+        return engine_spec(self.cfg.rollout.engine).shares_model
+
+    def _push_to_rollout(self, weights: Any, version: int | None) -> dict[str, float]:
+        """Load ``weights`` (``(name, tensor)`` pairs) into a rollout engine that keeps its own copy,
+        then check that it computes what this model computes (the engine's ``check_weights``): a
+        push that silently delivered nothing fails the update, named, instead of sampling on old
+        weights. Nothing to do before the engine is built (it starts from these weights) or when
+        it runs this very model (``hf``)."""
+        if self._engine is None or self._engine_shares_model():  # (``weights`` is lazy: nothing gathered)
+            return {}
+        metrics = dict(self._engine.update_weights(weights, version=version) or {})
+        if hasattr(self._engine, "check_weights"):
+            metrics.update(self._engine.check_weights(self.model))
+        if hasattr(self._engine, "memory_metrics"):
+            metrics.update(self._engine.memory_metrics())
+        return metrics
 
     def state_dict(self) -> dict[str, Any]:
         """As :meth:`TrainableRole.state_dict`, plus this rank's own sampling stream (under

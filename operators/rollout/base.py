@@ -174,6 +174,19 @@ def prompt_seeds(uids: Sequence[Any], seed: int) -> torch.Tensor:
     return torch.tensor([derive_seed(seed, uid) for uid in uids], dtype=torch.int64)
 
 
+def call_seeds(count: int, params: SamplingParams, seeds: torch.Tensor | None,
+               generator: torch.Generator) -> torch.Tensor:
+    """``int64[count]``: an engine call's prompt seeds: ``seeds`` as given, else drawn from
+    ``params.seed`` (a fresh generator) or the engine's own ``generator``."""
+    if seeds is not None:
+        seeds = torch.as_tensor(seeds, dtype=torch.int64).cpu().reshape(-1)
+        if len(seeds) != count:
+            raise ValueError(f"seeds has {len(seeds)} entries for {count} prompts: give one per prompt")
+        return seeds
+    generator = generator if params.seed is None else torch.Generator().manual_seed(params.seed)
+    return torch.randint(0, 2**62, (count,), generator=generator)
+
+
 def derive_seed(*parts: Any) -> int:
     """A 63-bit seed from the text of ``parts`` (BLAKE2b): the same parts, the same seed, in any process."""
     digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()

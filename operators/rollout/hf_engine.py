@@ -31,11 +31,14 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from flowrl.data.expand import expand_rows
 from operators.data.dataset import position_ids_from_mask
 from operators.models.hf import hf
-from operators.rollout.base import RolloutEngine, SamplingParams, rollout_output, sample_seeds, stream_uniforms
+from operators.rollout.base import (RolloutEngine, SamplingParams, call_seeds, rollout_output, sample_seeds,
+                                   stream_uniforms)
+from operators.rollout.engines import EngineSource, register_rollout_engine
 
 # transformers is fetched (:func:`hf`) where a model runs: declaring operators (``flowrl validate``) does not need it
 if TYPE_CHECKING:
@@ -154,13 +157,7 @@ class HFRolloutEngine(RolloutEngine):
 
     def _seeds(self, count: int, params: SamplingParams, seeds: torch.Tensor | None) -> torch.Tensor:
         """``int64[count]``: ``seeds`` as given, else drawn from ``params.seed`` or the engine's generator."""
-        if seeds is not None:
-            seeds = torch.as_tensor(seeds, dtype=torch.int64).cpu().reshape(-1)
-            if len(seeds) != count:
-                raise ValueError(f"seeds has {len(seeds)} entries for {count} prompts: give one per prompt")
-            return seeds
-        generator = self.generator if params.seed is None else torch.Generator().manual_seed(params.seed)
-        return torch.randint(0, 2**62, (count,), generator=generator)
+        return call_seeds(count, params, seeds, self.generator)
 
     def _sample(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
                 seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -245,6 +242,18 @@ class HFRolloutEngine(RolloutEngine):
 
     def set_rng_state(self, state: torch.Tensor) -> None:
         self.generator.set_state(state)
+
+
+class HFOptions(BaseModel):
+    """Options of the ``hf`` engine (``rollout.drop_finished`` is passed as one)."""
+
+    model_config = ConfigDict(extra="forbid")
+    drop_finished: bool = True
+
+
+@register_rollout_engine("hf", HFOptions, shares_model=True)
+def _build_hf(source: EngineSource, options: HFOptions) -> HFRolloutEngine:
+    return HFRolloutEngine(source.model, source.tokenizer, seed=source.seed, drop_finished=options.drop_finished)
 
 
 def _default_stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> set[int]:

