@@ -107,9 +107,9 @@ def step(out: str) -> None:
         td.form_group(actors)
         nodes = ray.get([a.run.remote(_node_id) for a in actors])
         (stepped, _), _ = td.on_ranks(actors, _step, td.rank_rows(99))
-        model, optimizer = td.fresh()
-        td.train_one(model, optimizer, td.PoolGroup.single(td.POOL), list(range(td.ROWS)))
-        result = {"nodes": nodes, "max_diff": td.max_diff(stepped, model.state_dict())}
+        engine = td.fresh(td.PoolGroup.single(td.POOL))
+        td.train_one(engine, list(range(td.ROWS)))
+        result = {"nodes": nodes, "max_diff": td.max_diff(stepped, engine.get_weights())}
         with open(out, "w") as f:
             json.dump(result, f)
     finally:
@@ -126,10 +126,9 @@ def _node_id(state) -> str:
 def _step(state, rows):
     from tests import test_distributed as td
 
-    group = state["group"]
-    model, optimizer = td.fresh(group)
-    td.train_one(model, optimizer, group, rows)
-    return td.full_state_dict(model, group), None
+    engine = td.fresh(state["group"])
+    td.train_one(engine, rows)
+    return engine.get_weights(), None
 
 
 if __name__ == "__main__":
