@@ -221,16 +221,14 @@ class TrainEngine:
         self.model.load_state_dict(weights)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, full tensor)`` for every weight, one at a time, on every rank: what a colocated
-        rollout engine loads after an update. Sharded, each tensor is gathered when it is reached
-        (a collective: every rank iterates to the end), so no rank holds all the full weights at
-        once; tied weights come once, under their first name."""
-        seen: set[int] = set()
+        """``(name, full tensor)`` for every entry of the model's state dict, one at a time, on every
+        rank: what a colocated rollout engine loads after an update. Sharded, each tensor is
+        gathered when it is reached (a collective: every rank iterates to the end), so no rank
+        holds all the full weights at once. Tied weights come under each of their names: an
+        engine may keep its own copy of each (vLLM's CPU build prepacks ``lm_head`` apart from
+        the embeddings)."""
         with self.group.guard("weights for the rollout engine"):
             for name, tensor in self.model.state_dict(keep_vars=True).items():
-                if id(tensor) in seen:
-                    continue
-                seen.add(id(tensor))
                 full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
                 yield name, full.detach()
 

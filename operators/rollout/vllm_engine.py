@@ -46,6 +46,7 @@ Example (in that environment)::
 from __future__ import annotations
 
 import asyncio
+import atexit
 import hashlib
 import json
 import logging
@@ -336,6 +337,8 @@ class VLLMRolloutEngine(RolloutEngine):
             return AsyncLLM.from_engine_args(engine_args)
 
         self.llm = self._run(start())
+        # stop vLLM's processes before the interpreter tears down the modules its destructor needs
+        atexit.register(self.shutdown)
         self._vllm = vllm
 
     @classmethod
