@@ -285,11 +285,14 @@ def measure(v: Variant, r: Any, wall: float) -> dict[str, float]:
 def run_shape(shape: Shape, args: argparse.Namespace, iters_per_ms: float) -> list[Variant]:
     """Every variant of a shape on one set of actors, alternating step by step."""
     variants = variants_of(shape, args, iters_per_ms)
-    owner = Runtime(variants[1].graph, backend="ray", resources=BIG).start()
+    # The actors' owner starts a driver worker only when its own plan has driver tasks,
+    # and variants differ there (a light node moves into a pool unless the baseline's
+    # ``after:`` edges pin it between pools): own them from a variant that needs one.
+    home = next((v for v in variants if make_plan(v.graph).driver), variants[1])
+    owner = Runtime(home.graph, backend="ray", resources=BIG).start()
     try:
         for v in variants:
-            v.runtime = owner if v is variants[1] else Runtime(v.graph, backend=v.backend(owner.backend),
-                                                               resources=BIG)
+            v.runtime = Runtime(v.graph, backend=v.backend(owner.backend), resources=BIG)
             if v.order is not None:
                 v.runtime.plan.order, v.runtime.plan.pool_order = v.order
         batch = prompts()
