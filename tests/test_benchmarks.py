@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -34,18 +36,38 @@ EXPECTED = {
 }
 
 
+#: the slowest first, so that the short ones fill in around them
+ORDER = ["dispatch.py", "scheduler.py", "distributed.py", "dataproto.py", "cli.py", "tokens.py"]
+#: smoke runs at once: most of a run is process start-up and imports, which overlap well on 2 cores
+PARALLEL = 4
+
+
+def run_smoke(script: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # each script starts its own Ray
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", COLUMNS="250")
+    return subprocess.run([sys.executable, f"benchmarks/{script}", "--smoke"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def smoke_runs(request: pytest.FixtureRequest) -> Iterator[dict[str, Future]]:
+    """The selected scripts' smoke runs, started together (at most PARALLEL at a time)."""
+    selected = {item.callspec.params["script"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_smoke"}
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        order = sorted(selected, key=lambda s: ORDER.index(s) if s in ORDER else len(ORDER))
+        yield {script: pool.submit(run_smoke, script) for script in order}
+
+
 def test_every_script_is_covered():
     scripts = {p.name for p in (ROOT / "benchmarks").glob("*.py")} - {"_common.py", "ops.py", "__init__.py"}
     assert scripts == set(EXPECTED)
 
 
 @pytest.mark.parametrize("script", sorted(EXPECTED))
-def test_smoke(script: str):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # each script starts its own Ray
-    env.update(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", COLUMNS="250")
-    proc = subprocess.run([sys.executable, f"benchmarks/{script}", "--smoke"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+def test_smoke(script: str, smoke_runs: dict[str, Future]):
+    proc = smoke_runs[script].result()
     assert proc.returncode == 0, f"{script} --smoke exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     for text in EXPECTED[script]:
         assert text in proc.stdout, f"{script} --smoke did not print {text!r}:\n{proc.stdout[-3000:]}"
