@@ -5,7 +5,7 @@ Run from the repository root::
     python benchmarks/scheduler.py              # sleeping operators, ~2.5 min
     python benchmarks/scheduler.py --quick      # shorter operators, fewer steps
     python benchmarks/scheduler.py --work cpu   # calibrated matmuls instead of sleeps
-    python benchmarks/scheduler.py --smoke      # ppo-3pools at 1/20 length, 1 step per variant: one start-up
+    python benchmarks/scheduler.py --smoke      # ppo-3pools and fan-out at 1/20 length, 1 step per variant
 
 Four graph shapes (see :func:`shapes`), every node a ``bench.*`` operator (see
 ``benchmarks/ops.py``) doing a set amount of work on the Ray backend:
@@ -352,12 +352,13 @@ def main() -> None:
                         help="skip the what-if rows (another per-pool order; staleness=1)")
     parser.add_argument("--cpus", type=int, default=8, help="Ray's logical CPUs")
     parser.add_argument("--smoke", action="store_true",
-                        help="ppo-3pools only (every kind of variant), operators at 1/20 length, 1 step, no warm-up")
+                        help="ppo-3pools (every kind of variant) and fan-out (variants that differ in needing a "
+                             "driver worker), operators at 1/20 length, 1 step, no warm-up")
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 3)
     args.scale = 0.5 if args.quick else 1.0
     if args.smoke:
-        args.shapes, args.steps, args.warmup, args.scale = ["ppo-3pools"], 1, 0, 0.05
+        args.shapes, args.steps, args.warmup, args.scale = ["ppo-3pools", "fan-out"], 1, 0, 0.05
 
     iters_per_ms = bench_ops.calibrate() if args.work == "cpu" else 0.0
     init_ray(args.cpus)
