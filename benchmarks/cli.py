@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/cli.py            # 5 rounds
     python benchmarks/cli.py --rounds 3
+    python benchmarks/cli.py --smoke    # 1 round of `python -c pass` and `flowrl --help`: a few seconds
 
 Every command runs as a fresh process (``python -m flowrl.cli ...``), the
 commands in alternation round after round, so a load spike on a shared machine
@@ -66,14 +67,19 @@ def heavy_imports(args: list[str]) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="1 round of `python -c pass` and `flowrl --help`")
     args = ap.parse_args()
-    times: dict[str, list[float]] = {name: [] for name in COMMANDS}
+    commands = dict(COMMANDS)
+    if args.smoke:
+        args.rounds = 1
+        commands = {k: v for k, v in COMMANDS.items() if k in ("python -c pass", "flowrl --help")}
+    times: dict[str, list[float]] = {name: [] for name in commands}
     for _ in range(args.rounds):
-        for name, argv in COMMANDS.items():
+        for name, argv in commands.items():
             times[name].append(time_once(argv))
     base = statistics.median(times["python -c pass"])
     rows = []
-    for name, argv in COMMANDS.items():
+    for name, argv in commands.items():
         med = statistics.median(times[name])
         heavy = ", ".join(heavy_imports(argv)) if name != "python -c pass" else ""
         rows.append([name, f"{med:.2f}", f"{med / base:.1f}x", heavy or "-"])

@@ -3,6 +3,7 @@
 Run from the repository root::
 
     python benchmarks/dataproto.py            # add --no-ray to skip the object-store rows
+    python benchmarks/dataproto.py --smoke    # B=64 and no object-store rows: seconds
 
 B=1024 rows: input_ids, attention_mask, position_ids int64[B, 2048], responses
 int64[B, 1024], two float32[B, 1024] columns, a ``uid`` string and a dict per
@@ -39,8 +40,9 @@ B = 1024
 
 
 # ---------------------------------------------------------------------- data
-def make_data(seed: int = 0) -> dict[str, Any]:
-    """The benchmark batch as one dict (tensors and object arrays)."""
+def make_data(seed: int = 0, rows: int = B) -> dict[str, Any]:
+    """The benchmark batch (``rows`` rows) as one dict (tensors and object arrays)."""
+    B = rows  # noqa: N806 - the shapes below read as the module's batch size
     g = torch.Generator().manual_seed(seed)
     data: dict[str, Any] = {
         "input_ids": torch.randint(0, 32000, (B, 2048), generator=g),
@@ -109,7 +111,7 @@ def operations(DataProto: Any, data: dict[str, Any], ray: Any) -> dict[str, tupl
     tensor_keys = [k for k, v in data.items() if isinstance(v, torch.Tensor)]
     object_keys = [k for k, v in data.items() if not isinstance(v, torch.Tensor)]
     chunks8 = dp.chunk(8)
-    perm = torch.randperm(B, generator=torch.Generator().manual_seed(1))
+    perm = torch.randperm(len(data["uid"]), generator=torch.Generator().manual_seed(1))
 
     def fresh() -> Any:  # a new container over the same tensors (pop/union mutate)
         return dp.select(batch_keys=tensor_keys, non_tensor_batch_keys=object_keys)
@@ -181,8 +183,8 @@ def status(field):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
 
-impl, mode, address = sys.argv[1], sys.argv[2], sys.argv[3]
-data = make_data()
+impl, mode, address, rows = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+data = make_data(rows=rows)
 payload = payload_bytes(data)
 ray = None
 if mode == "ray":
@@ -208,13 +210,13 @@ print((payload + extra) / payload, (payload + max(0, extra - shm)) / payload)
 """
 
 
-def peak_ratio(impl: str, mode: str, address: str = "") -> tuple[float, float] | None:
+def peak_ratio(impl: str, mode: str, address: str = "", rows: int = B) -> tuple[float, float] | None:
     """(peak RSS, peak RSS less the object store's shared pages) of one round trip / payload,
     measured in a fresh interpreter."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = _MEMORY_CHILD.format(root=root)
     proc = subprocess.run(
-        [sys.executable, "-c", code, impl, mode, address], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, impl, mode, address, str(rows)], capture_output=True, text=True, timeout=120
     )
     if proc.returncode != 0:
         print(f"memory measurement {impl}/{mode} failed:\n{proc.stderr[-2000:]}")
@@ -246,7 +248,10 @@ def main() -> None:
     started = time.perf_counter()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-ray", action="store_true", help="skip the ray.put/ray.get rows")
+    parser.add_argument("--smoke", action="store_true", help="B=64 rows, no ray rows")
     args = parser.parse_args()
+    rows = 64 if args.smoke else B
+    args.no_ray = args.no_ray or args.smoke
 
     ray = None
     if not args.no_ray:
@@ -255,9 +260,9 @@ def main() -> None:
         ray_module.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         ray = ray_module
 
-    data = make_data()
+    data = make_data(rows=rows)
     payload = payload_bytes(data)
-    print(f"batch: B={B}, {payload / 2**20:.0f} MiB of tensors, 2 object columns; torch threads=1")
+    print(f"batch: B={rows}, {payload / 2**20:.0f} MiB of tensors, 2 object columns; torch threads=1")
 
     impls = {name: load_impl(name) for name in ("flowrl", "verl")}
     impls = {k: v for k, v in impls.items() if v is not None}
@@ -290,7 +295,7 @@ def main() -> None:
         runs.append(("ray.put + ray.get", "ray", list(impls) + ["flowrl-copy", "numpy-dict"]))
     for label, mode, names in runs:
         for impl in names:
-            ratio = peak_ratio(impl, mode, address)
+            ratio = peak_ratio(impl, mode, address, rows)
             shown = ["failed", "failed"] if ratio is None else [f"{ratio[0]:.2f}x", f"{ratio[1]:.2f}x"]
             mem_rows.append([label, impl, *shown])
     print_table(

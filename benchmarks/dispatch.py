@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/dispatch.py            # ~1.5 min
     python benchmarks/dispatch.py --quick    # fewer repeats, fewer poll intervals
+    python benchmarks/dispatch.py --smoke    # B=8, 2 rounds, one poll interval, no verl: one start-up
 
 One no-op node (``bench.echo``: every column back, no copy) on a pool of 2
 workers with ``dispatch="split"``; the time of a call is the driver's wall time
@@ -175,7 +176,10 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="*", default=[8, 1024], help="batch sizes")
     parser.add_argument("--polls", type=float, nargs="*", default=None, help="Runtime poll_s values, default first")
     parser.add_argument("--no-verl", action="store_true", help="skip verl's worker group")
+    parser.add_argument("--smoke", action="store_true", help="B=8, 2 rounds, one poll interval, no verl")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds, args.rows, args.polls, args.no_verl = 2, [8], [0.05], True
     rounds = args.rounds or (10 if args.quick else 20)
     polls = args.polls or ([0.05, 0.001] if args.quick else [0.05, 0.005, 0.001])
 

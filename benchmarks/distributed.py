@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/distributed.py            # ~3 min on 2 busy cores
     python benchmarks/distributed.py --quick    # a 5M-parameter model
+    python benchmarks/distributed.py --smoke    # --quick's model, 2 steps of 4 tiny rows: seconds
 
 Each configuration runs in fresh processes (spawned, one torch thread each,
 gloo on loopback): the model is built, sharded over the ranks
@@ -152,7 +153,10 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--response", type=int, default=32)
+    parser.add_argument("--smoke", action="store_true", help="--quick's model, 2 steps of 4 rows x 8+8 tokens")
     args = parser.parse_args()
+    if args.smoke:
+        args.quick, args.steps, args.rows, args.micro, args.prompt, args.response = True, 2, 4, 2, 8, 8
     if args.steps < 2:
         parser.error("--steps: at least 2 (the first is a warm-up)")
     one, two = run(1, args), run(2, args)

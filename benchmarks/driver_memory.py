@@ -4,6 +4,7 @@ Run from the repository root::
 
     python benchmarks/driver_memory.py                 # 2,000 steps of a shrunk default graph, local backend
     python benchmarks/driver_memory.py --steps 500
+    python benchmarks/driver_memory.py --smoke      # 12 steps, baseline at step 4: start-up and a few steps
 
 It starts ``flowrl run grpo --backend local`` as a child process (the real
 command, live view included, output piped), samples the child's resident set
@@ -54,7 +55,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--warmup", type=int, default=200, help="the step whose RSS is the baseline")
+    ap.add_argument("--smoke", action="store_true", help="12 steps, baseline at step 4")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps, args.warmup = 12, 4
     out = Path(tempfile.mkdtemp(prefix="flowrl-mem-")) / "run"
     cmd = [sys.executable, "-m", "flowrl.cli", "run", "grpo", "--backend", "local", "--steps", str(args.steps),
            "--out", str(out)] + [x for k, v in SHRINK.items() for x in ("--set", f"{k}={v}")]

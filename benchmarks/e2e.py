@@ -35,6 +35,7 @@ noisy neighbour's load is spread over all of them.
 
     python benchmarks/e2e.py                  # 40 steps (5 warm-up), 2 rounds: ~4 min on 2 cores
     python benchmarks/e2e.py --quick          # 20 steps (5 warm-up), 1 round: ~1.5 min
+    python benchmarks/e2e.py --smoke          # 4 steps of 2 prompts, local backend and plain loop: seconds
     python benchmarks/e2e.py --prompts 16 --systems flowrl-ray-sync trl
 """
 
@@ -270,7 +271,12 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step (× 8 samples)")
     parser.add_argument("--quick", action="store_true", help="20 steps, 1 round")
     parser.add_argument("--systems", nargs="+", choices=list(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--smoke", action="store_true",
+                        help="4 steps (1 warm-up) of 2 prompts, 1 round, flowrl-local-sync and plain only")
     args = parser.parse_args()
+    if args.smoke:  # the Ray systems take their own start-up each: the local one covers the same Trainer path
+        args.steps, args.warmup, args.rounds, args.prompts = 4, 1, 1, 2
+        args.systems = ["flowrl-local-sync", "plain"]
     steps = args.steps or (20 if args.quick else 40)
     rounds = args.rounds or (1 if args.quick else 2)
     if steps < args.warmup + 2:

@@ -8,7 +8,8 @@ running vLLM engine (``update_weights``, in 64 MiB buckets) against their size.
 Each engine gets one untimed warm-up call first. Nothing is asserted: timings on
 a shared machine are noisy; run it twice before believing a ratio.
 
-It needs vLLM: run it with build/vllm-venv's Python (``bash scripts/vllm_env.sh``).
+It needs vLLM for its vLLM half: run it with build/vllm-venv's Python (``bash
+scripts/vllm_env.sh``). Without vLLM it runs the hf half alone and says so.
 
     build/vllm-venv/bin/python benchmarks/engines.py --smoke    # builtin:tiny, fp32, 8 tokens: mostly start-up
     build/vllm-venv/bin/python benchmarks/engines.py                # builtin:tiny and llama-25m, fp32 and bf16
@@ -18,6 +19,7 @@ It needs vLLM: run it with build/vllm-venv's Python (``bash scripts/vllm_env.sh`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tempfile
 import time
 
@@ -64,6 +66,7 @@ def main() -> None:
     if args.smoke:
         args.models, args.dtypes, args.lengths, args.prompts, args.n = ["builtin:tiny"], ["float32"], [8], 8, 2
 
+    has_vllm = importlib.util.find_spec("vllm") is not None
     ids, mask = prompts(args.prompts)
     seeds = prompt_seeds(list(range(args.prompts)), seed=0)
     rows, push_rows = [], []
@@ -76,19 +79,24 @@ def main() -> None:
                 hf = HFRolloutEngine(model, tok, seed=0)
                 start = time.perf_counter()
                 kv_mib = 2048 if MODELS[name] else 256
-                vllm = VLLMRolloutEngine.from_model(model, tok, seed=0,
-                                                    options={"kv_cache_mib": kv_mib, "max_num_seqs": 512})
+                vllm = VLLMRolloutEngine.from_model(model, tok, seed=0, options={
+                    "kv_cache_mib": kv_mib, "max_num_seqs": 512}) if has_vllm else None
                 startup = time.perf_counter() - start
                 try:
-                    for engine in (hf, vllm):  # warm-up: first-call allocations and kernel selection
+                    for engine in (hf, vllm) if vllm else (hf,):  # warm-up: first-call allocations, kernels
                         engine.generate(ids[:2], mask[:2], SamplingParams(max_new_tokens=4), seeds=seeds[:2])
                     for length in args.lengths:
                         params = SamplingParams(n=args.n, max_new_tokens=length)
                         hf_s, hf_tokens = timed_generate(hf, ids, mask, params, seeds)
+                        row = [name, dtype, f"{params_m:.2f}", str(length), f"{hf_tokens}", f"{hf_tokens / hf_s:,.0f}"]
+                        if vllm is None:
+                            rows.append(row + ["-"] * 4)
+                            continue
                         v_s, v_tokens = timed_generate(vllm, ids, mask, params, seeds)
-                        rows.append([name, dtype, f"{params_m:.2f}", str(length), f"{hf_tokens}",
-                                     f"{hf_tokens / hf_s:,.0f}", f"{v_tokens}", f"{v_tokens / v_s:,.0f}",
-                                     f"{(v_tokens / v_s) / (hf_tokens / hf_s):.2f}x", f"{startup:.0f}"])
+                        rows.append(row + [f"{v_tokens}", f"{v_tokens / v_s:,.0f}",
+                                           f"{(v_tokens / v_s) / (hf_tokens / hf_s):.2f}x", f"{startup:.0f}"])
+                    if vllm is None:
+                        continue
                     state = {k: v + 0.01 for k, v in model.state_dict().items()}
                     pushes = [vllm.update_weights(state) for _ in range(3)]
                     best = min(p["rollout/weight_push_s"] for p in pushes)
@@ -96,13 +104,18 @@ def main() -> None:
                     push_rows.append([name, dtype, f"{mb:.1f}", f"{int(pushes[0]['rollout/weight_push_buckets'])}",
                                       f"{best:.3f}", f"{mb / best:,.0f}"])
                 finally:
-                    vllm.shutdown()
+                    if vllm is not None:
+                        vllm.shutdown()
 
     print_table(f"rollout engines: {args.prompts} prompts x {args.n} samples, temperature 1, one CPU core",
                 ["model", "dtype", "params (M)", "new tokens", "hf tokens", "hf tok/s", "vllm tokens",
                  "vllm tok/s", "vllm/hf", "vllm start (s)"], rows,
                 notes=["tokens: real response tokens (response_mask); untrained models, so lengths differ by engine "
-                       "(sampling streams differ)"])
+                       "(sampling streams differ)"]
+                + ([] if has_vllm else ["vLLM is not installed in this Python: the hf half only (run it with "
+                                        "build/vllm-venv/bin/python, built by `bash scripts/vllm_env.sh`)"]))
+    if not has_vllm:
+        return
     print_table("weight push into the running vLLM engine (best of 3)",
                 ["model", "dtype", "MiB", "buckets", "seconds", "MiB/s"], push_rows)
 

@@ -10,6 +10,7 @@ Example::
 
     PYTHONPATH=$PWD python benchmarks/metrics_snapshot.py record /tmp/runtime_baseline
     PYTHONPATH=$PWD python benchmarks/metrics_snapshot.py compare /tmp/runtime_baseline
+    PYTHONPATH=$PWD python benchmarks/metrics_snapshot.py --smoke   # record then compare grpo, 2 small steps, local
 """
 
 from __future__ import annotations
@@ -62,36 +63,54 @@ def same(a: list[dict], b: list[dict]) -> tuple[bool, str]:
     return True, "identical"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=["record", "compare"])
-    ap.add_argument("dir")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--graphs", nargs="*", default=None)
-    ap.add_argument("--backends", nargs="*", default=["local", "ray"])
-    ap.add_argument("--set", nargs="*", default=[], help="overrides path.key=value (same for record and compare)")
-    args = ap.parse_args()
-    import yaml
+#: --smoke: the default graph, a small batch, nothing but training steps
+SMOKE = {"data.batch_size": 2, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 2,
+         "trainer.val_every": 0, "trainer.checkpoint_every": 0}
 
-    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
-    names = args.graphs or sorted(builtin_graphs())
-    out = Path(args.dir)
+
+def record_or_compare(mode: str, out: Path, names: list[str], backends: list[str], steps: int,
+                      overrides: dict) -> bool:
+    """Run every graph on every backend and record its metrics, or compare them with a recording."""
     out.mkdir(parents=True, exist_ok=True)
-    if "ray" in args.backends:
-        _common.init_ray(2)
     ok = True
-    for backend in args.backends:
+    for backend in backends:
         for name in names:
-            rows = snapshot(name, backend, args.steps, overrides)
+            rows = snapshot(name, backend, steps, overrides)
             path = out / f"{name}.{backend}.json"
-            if args.mode == "record":
+            if mode == "record":
                 path.write_text(json.dumps(rows, indent=1))
                 print(f"{name:14s} {backend:5s} recorded {len(rows)} steps -> {path}", flush=True)
             else:
                 match, why = same(json.loads(path.read_text()), rows)
                 ok &= match
                 print(f"{name:14s} {backend:5s} {'MATCH' if match else 'DIFFER'}: {why}", flush=True)
-    return 0 if ok else 1
+    return ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("mode", nargs="?", choices=["record", "compare"])
+    ap.add_argument("dir", nargs="?")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--graphs", nargs="*", default=None)
+    ap.add_argument("--backends", nargs="*", default=["local", "ray"])
+    ap.add_argument("--set", nargs="*", default=[], help="overrides path.key=value (same for record and compare)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="record then compare grpo on the local backend, 2 steps of 2 prompts x 2, in a temp dir")
+    args = ap.parse_args()
+    import yaml
+
+    overrides = {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="flowrl-snapshot-") as out:
+            return 0 if all([record_or_compare(mode, Path(out), ["grpo"], ["local"], 2, {**SMOKE, **overrides})
+                             for mode in ("record", "compare")]) else 1
+    if args.mode is None or args.dir is None:
+        ap.error("give a mode (record or compare) and a directory, or --smoke")
+    if "ray" in args.backends:
+        _common.init_ray(2)
+    names = args.graphs or sorted(builtin_graphs())
+    return 0 if record_or_compare(args.mode, Path(args.dir), names, args.backends, args.steps, overrides) else 1
 
 
 if __name__ == "__main__":

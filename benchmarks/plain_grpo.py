@@ -7,6 +7,7 @@ temperature 1, AdamW lr 5e-4 (constant), grad clip 1.0, clip ε 0.2, no KL,
 token-mean loss, group-std-normalised advantages, one update per batch.
 
     python benchmarks/plain_grpo.py --steps 300 --seed 0
+    python benchmarks/plain_grpo.py --smoke     # 3 steps of 4 prompts: a few seconds
 
 prints the mean reward of every 25 steps, seconds per step, and the time of
 each stage; ``run()`` returns the same numbers for other benchmarks to compare
@@ -160,10 +161,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="also write the per-step rewards and timings here")
     parser.add_argument("--compare-generate", action="store_true",
                         help="time the lean sampling loop against model.generate() first")
+    parser.add_argument("--smoke", action="store_true", help="3 steps of 4 prompts, every step printed")
     args = parser.parse_args()
+    global PROMPTS
+    log_every = 25
+    if args.smoke:
+        args.steps, PROMPTS, log_every = 3, 4, 1
     if args.compare_generate:
         compare_generate(args.seed)
-    result = run(args.steps, args.seed, args.task)
+    result = run(args.steps, args.seed, args.task, log_every=log_every)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
 

@@ -5,6 +5,7 @@ Run from the repository root::
     python benchmarks/scheduler.py              # sleeping operators, ~2.5 min
     python benchmarks/scheduler.py --quick      # shorter operators, fewer steps
     python benchmarks/scheduler.py --work cpu   # calibrated matmuls instead of sleeps
+    python benchmarks/scheduler.py --smoke      # ppo-3pools and fan-out at 1/20 length, 1 step per variant
 
 Four graph shapes (see :func:`shapes`), every node a ``bench.*`` operator (see
 ``benchmarks/ops.py``) doing a set amount of work on the Ray backend:
@@ -285,11 +286,14 @@ def measure(v: Variant, r: Any, wall: float) -> dict[str, float]:
 def run_shape(shape: Shape, args: argparse.Namespace, iters_per_ms: float) -> list[Variant]:
     """Every variant of a shape on one set of actors, alternating step by step."""
     variants = variants_of(shape, args, iters_per_ms)
-    owner = Runtime(variants[1].graph, backend="ray", resources=BIG).start()
+    # The actors' owner starts a driver worker only when its own plan has driver tasks,
+    # and variants differ there (a light node moves into a pool unless the baseline's
+    # ``after:`` edges pin it between pools): own them from a variant that needs one.
+    home = next((v for v in variants if make_plan(v.graph).driver), variants[1])
+    owner = Runtime(home.graph, backend="ray", resources=BIG).start()
     try:
         for v in variants:
-            v.runtime = owner if v is variants[1] else Runtime(v.graph, backend=v.backend(owner.backend),
-                                                               resources=BIG)
+            v.runtime = Runtime(v.graph, backend=v.backend(owner.backend), resources=BIG)
             if v.order is not None:
                 v.runtime.plan.order, v.runtime.plan.pool_order = v.order
         batch = prompts()
@@ -347,9 +351,14 @@ def main() -> None:
     parser.add_argument("--no-what-if", dest="what_if", action="store_false",
                         help="skip the what-if rows (another per-pool order; staleness=1)")
     parser.add_argument("--cpus", type=int, default=8, help="Ray's logical CPUs")
+    parser.add_argument("--smoke", action="store_true",
+                        help="ppo-3pools (every kind of variant) and fan-out (variants that differ in needing a "
+                             "driver worker), operators at 1/20 length, 1 step, no warm-up")
     args = parser.parse_args()
     args.steps = args.steps or (2 if args.quick else 3)
     args.scale = 0.5 if args.quick else 1.0
+    if args.smoke:
+        args.shapes, args.steps, args.warmup, args.scale = ["ppo-3pools", "fan-out"], 1, 0, 0.05
 
     iters_per_ms = bench_ops.calibrate() if args.work == "cpu" else 0.0
     init_ray(args.cpus)

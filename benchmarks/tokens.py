@@ -32,6 +32,7 @@ a user's model is).
     PYTHONPATH=$PWD python benchmarks/tokens.py            # builtin:tiny at 8, 64, 128, 512 new tokens
     PYTHONPATH=$PWD python benchmarks/tokens.py --steps 3 --lengths 8 128
     PYTHONPATH=$PWD python benchmarks/tokens.py --model llama-25m     # at 8 and 128 new tokens
+    PYTHONPATH=$PWD python benchmarks/tokens.py --smoke    # 1 step of 2 prompts x 2 at 8 and 16 tokens: seconds
 """
 
 from __future__ import annotations
@@ -175,7 +176,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed steps per setting (after one warm-up step)")
     ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
     ap.add_argument("--n", type=int, default=8, help="samples per prompt")
+    ap.add_argument("--smoke", action="store_true", help="builtin:tiny at 8 and 16 tokens, 1 step of 2 prompts x 2")
     args = ap.parse_args()
+    if args.smoke:
+        args.model, args.lengths, args.steps, args.prompts, args.n = "builtin:tiny", [8, 16], 1, 2, 2
     args.lengths = args.lengths or DEFAULT_LENGTHS[args.model]
     hf("logging").disable_progress_bar()  # saving and loading llama-25m would draw bars between the tables
 
