@@ -207,7 +207,7 @@ class TrainEngine:
         width = batch["responses"].shape[1]
         lengths = response_lengths(batch)
         splits = token_budget_split(lengths, batch["input_ids"].shape[1] - width, self.max_tokens)
-        micro_batches = [trim(batch[rows], max(1, int(lengths[rows].max()))) for rows in splits]
+        micro_batches = [self._cut(batch, rows, lengths) for rows in splits]
         return restore(data_parallel_forward(micro_batches, fn, self.group), splits, width)
 
     # -- weights -----------------------------------------------------------------------------
@@ -246,6 +246,7 @@ class TrainEngine:
         """Called before each pass's backward (``last``: the mini-batch's last pass)."""
 
     def _cut(self, batch: Any, rows: torch.Tensor, lengths: torch.Tensor) -> Any:
+        """Rows ``rows`` of ``batch``; under a token budget, cut to their own longest response."""
         part = batch[rows]
         return part if self.max_tokens is None else trim(part, max(1, int(lengths[rows].max())))
 
@@ -285,7 +286,7 @@ class FSDP2Engine(TrainEngine):
             return super().set_weights(weights)
         with torch.no_grad():
             for name, target in self.model.state_dict().items():
-                local_part(target).copy_(part_of(target, weights[name]))
+                _local_part(target).copy_(_part_of(target, weights[name]))
 
     def _positions(self, batch: Any) -> tuple[torch.Tensor | None, int]:
         if self.group.world_size == 1:
@@ -321,12 +322,12 @@ def _per_step(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v if isinstance(v, Metric) and v.reduce in (MAX, MIN) else mean(v, 1.0) for k, v in metrics.items()}
 
 
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
+def _local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's local tensor of a (possibly sharded) tensor."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+def _part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full``, laid out as the (sharded) ``target``; no communication."""
     if not isinstance(target, DTensor):
         return full
@@ -335,4 +336,4 @@ def part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["ENGINES", "FSDP2Engine", "LossFn", "SingleProcess", "TASK_ROWS", "TrainEngine", "build_engine",
-           "engine_for", "local_part", "part_of", "register_engine"]
+           "engine_for", "register_engine"]
