@@ -156,11 +156,30 @@ def plan(
     measured: Optional[str] = typer.Option(None, "--measured",
                                            help="a run directory: predict with its measured node times"),
     backend: str = typer.Option("ray", "--backend", help="plan for this backend: ray (default) or local"),
+    search: bool = typer.Option(False, "--search", help="rank the configurations that fit a budget (needs "
+                                "--costs and --cpus): pools, workers, micro-batches, staleness"),
+    costs: Optional[str] = typer.Option(None, "--costs", help="a cost file written by `flowrl profile`"),
+    cpus: Optional[float] = typer.Option(None, "--cpus", help="CPU cores per node the search may use"),
+    gpus: int = typer.Option(0, "--gpus", min=0, help="GPUs per node the search may use"),
+    nodes: int = typer.Option(1, "--nodes", min=1, help="nodes of that size"),
+    memory_per_device: Optional[float] = typer.Option(None, "--memory-per-device", min=0,
+                                                      help="GiB a worker's device may hold"),
+    max_staleness: Optional[int] = typer.Option(
+        None, "--max-staleness", min=0,
+        help="let the search try schedule.staleness 0..S (changes the algorithm; default: the graph's own)"),
+    write: Optional[str] = typer.Option(None, "--write", help="write the graph with the best configuration here"),
 ) -> None:
     """Show placement, per-pool order, micro-batching, staleness and a predicted timeline."""
     from visualizer.plan import print_plan
 
     g = _load_checked(graph, set_)
+    if search:
+        from flowrl.cli_plan import search_command
+
+        search_command(graph, g, parse_overrides(set_), costs_path=costs, cpus=cpus, gpus=gpus, nodes=nodes,
+                       memory_gib=memory_per_device, max_staleness=max_staleness, write=write, backend=backend,
+                       console=console, err=err_console)
+        return
     p = _plan(g, backend)
     costs = None
     if measured is not None:
@@ -208,6 +227,21 @@ def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
     if missing:
         err_console.print(f"[yellow]warning[/] no measured time for {', '.join(missing)}; using declared costs")
     return costs
+
+
+@app.command()
+def profile(
+    graph: str = typer.Argument(..., help="a graph to run briefly, or a run directory to fit from"),
+    steps: int = typer.Option(4, "--steps", min=2, help="steps per profiling run (the first warms up)"),
+    out: Optional[str] = typer.Option(None, "--out", help="run directory (default: trainer.out)"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
+    backend: str = typer.Option("ray", "--backend", help="a registered backend: ray (default) or local"),
+) -> None:
+    """Measure a graph's costs (seconds per node by rows, weight transfer, memory per role) into costs.json."""
+    from flowrl.cli_plan import profile_command
+
+    path = profile_command(graph, steps, out, parse_overrides(set_), backend, say=console.print, err=err_console)
+    console.print(f"[green]costs[/] in {path}: search with `flowrl plan GRAPH --search --costs {path} --cpus N`")
 
 
 @app.command()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from flowrl.runtime.pools import DRIVER
+from flowrl.runtime.staleness import window
 
 if TYPE_CHECKING:
     from flowrl.runtime.plan import Plan, Task
@@ -68,6 +69,33 @@ def simulate(plan: Plan, costs: dict[str, float] | None = None) -> Simulation:
                       measured=costs is not None)
 
 
+def simulate_steps(plan: Plan, seconds: dict[tuple[str, int | None], float], steps: int = 6) -> list[float]:
+    """Each step's predicted end when ``steps`` steps run back to back, as the runtime submits them:
+    step after step into each pool's queue in the plan's order, a task behind its inputs and its gates
+    (the update ``staleness + 1`` steps back, :class:`~flowrl.runtime.staleness.Gate`), and no step
+    submitted before the step ``window`` steps back finished. ``seconds``: every task's duration."""
+    updates = {t.updates: key for key, t in plan.tasks.items() if t.updates is not None}
+    bound = max((g.staleness for t in plan.tasks.values() for g in t.gates), default=0)
+    end: dict[tuple[int, tuple[str, int | None]], float] = {}
+    pool_free: dict[str, float] = {}
+    step_end: list[float] = []
+    for s in range(steps):
+        submitted = step_end[s - window(bound)] if s >= window(bound) else 0.0
+        for key in plan.order:
+            t = plan.tasks[key]
+            ready = max([submitted, *(end[(s, d)] for d in t.deps)])
+            for g in t.gates:
+                j = g.update_step(s)
+                if j >= 0 and g.role in updates:
+                    ready = max(ready, end[(j, updates[g.role])])
+            begin = ready if t.pool == DRIVER else max(ready, pool_free.get(t.pool, 0.0))
+            end[(s, key)] = begin + seconds.get(key, t.cost)
+            if t.pool != DRIVER:
+                pool_free[t.pool] = end[(s, key)]
+        step_end.append(max((end[(s, k)] for k in plan.order), default=0.0))
+    return step_end
+
+
 def bounds_of(plan: Plan, durations: dict[tuple[str, int | None], float]) -> tuple[float, tuple[str, float]]:
     """Two lower bounds of a step's makespan given task durations: the critical path
     through the task graph, and the tightest pool bound — a pool runs its tasks one at a
@@ -107,4 +135,4 @@ def pool_work(plan: Plan, durations: dict[tuple[str, int | None], float]) -> dic
     return work
 
 
-__all__ = ["Simulation", "bounds_of", "pool_work", "simulate"]
+__all__ = ["Simulation", "bounds_of", "pool_work", "simulate", "simulate_steps"]

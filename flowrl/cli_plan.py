@@ -1,0 +1,246 @@
+"""``flowrl profile`` and ``flowrl plan --search``: costs measured from a run, configurations searched.
+
+``flowrl profile GRAPH --steps K`` runs the graph briefly (then once more with
+twice the micro-batches, so a node's fixed cost per task is told from its cost
+per row) and writes ``costs.json`` into the run directory; ``flowrl profile
+RUN_DIR`` fits one from a run that already happened (its ``trace.json`` when
+written with ``--trace``, else the ``timing/<node>`` of its ``metrics.jsonl``).
+``flowrl plan GRAPH --search --costs FILE --cpus N`` ranks the configurations
+:mod:`flowrl.runtime.search` finds and ``--write`` saves the best as a graph file.
+
+The ``flowrl`` command (:mod:`flowrl.cli`) imports this module only when one of
+these runs: profiling imports the models (to read their configs) and Ray.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import typer
+import yaml
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from flowrl.graph import Graph, GraphError, load_graph
+from flowrl.runtime.costs import (COST_FILE, GIB, CostFile, CostFileError, NodeCost, Record, RoleMemory,
+                                  Transfer, calibrate_latency, fit_line, graph_key, load_costs, median_or_zero,
+                                  metric_samples, node_samples, records_of, save_costs, step_intervals,
+                                  task_records)
+from flowrl.runtime.errors import RuntimeFailure
+from flowrl.runtime.plan import Plan, PlanError, make_plan
+from flowrl.runtime.search import (ASSUMPTIONS, SIM_STEPS, Budget, SearchError, SearchResult, describe, search,
+                                   why)
+from flowrl.runtime.simulate import simulate_steps
+from flowrl.runtime.sinks import MetricsFileError, read_metrics
+from flowrl.runtime.trainer import Trainer
+from flowrl.runtime.traits import traits_of
+from operators.models import load_model
+
+#: bytes a training pass keeps per token per layer per hidden unit (fp32 activations saved for backward:
+#: attention and MLP inputs/outputs; a coarse estimate, said in the cost file's roles)
+ACTIVATION_FACTOR = 16
+
+
+class CommandError(Exception):
+    """What the command prints as one error line before exiting 1."""
+
+
+def fail(err: Console, message: str) -> None:
+    err.print(f"[bold red]error[/] {escape(message)}")
+    raise typer.Exit(1)
+
+
+# ---------------------------------------------------------------- profile
+def predict_step(plan: Plan, seconds: dict[Any, float]) -> float:
+    """Predicted seconds per step with steps back to back (the search's measure)."""
+    ends = simulate_steps(plan, seconds, SIM_STEPS)
+    return (ends[-1] - ends[1]) / (len(ends) - 2)
+
+
+def role_memory(graph: Graph) -> dict[str, RoleMemory]:
+    """Each role's memory from its model's config: weights, optimizer, activations and KV per token."""
+    cfg, out = graph.config, {}
+    updated = {n.role for n in graph.nodes.values() if n.updates_role}
+    for name, role in cfg.roles.items():
+        src = role
+        while "model" not in src.settings and src.from_ in cfg.roles:
+            src = cfg.roles[src.from_]
+        spec = src.settings.get("model")
+        if not isinstance(spec, str):
+            continue
+        model, _ = load_model(spec)  # the causal LM: a value head differs by one layer's parameters
+        c = model.config
+        layers, hidden = c.num_hidden_layers, c.hidden_size
+        heads = c.num_attention_heads
+        kv = getattr(c, "num_key_value_heads", None) or heads
+        params = sum(p.numel() for p in model.parameters())
+        out[name] = RoleMemory(params=params, bytes_per_param=4, trainable=name in updated,
+                               activation_bytes_per_token=ACTIVATION_FACTOR * 4 * layers * hidden,
+                               kv_bytes_per_token=2 * layers * kv * (hidden // heads) * 4)
+    return out
+
+
+def measure_transfer(sizes: tuple[int, ...] = (1 << 18, 1 << 21, 1 << 23)) -> Transfer:
+    """Seconds to move a tensor of each size through a serialise/deserialise copy (the object store's
+    path, without Ray), fitted as fixed + per byte."""
+    samples = []
+    for n in sizes:
+        t = torch.zeros(n // 4)
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            buf = io.BytesIO()
+            torch.save(t, buf)
+            buf.seek(0)
+            torch.load(buf, weights_only=True)
+            best = min(best, time.perf_counter() - t0)
+        samples.append((float(n), best))
+    line = fit_line(samples)
+    return Transfer(fixed_s=line.fixed_s, per_byte_s=line.per_row_s, how="torch.save/load round trip in one process")
+
+
+def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph: Graph, source: str,
+             transfer: Transfer) -> CostFile:
+    """A cost file from one or more runs of ``graph`` (each: its plan, task records, metric rows)."""
+    samples: dict[str, list[tuple[float, float]]] = {}
+    for plan, records, rows in runs:
+        got = node_samples(plan, records) if records else metric_samples(plan, rows)
+        for node, xs in got.items():
+            samples.setdefault(node, []).extend(xs)
+    nodes = {n: fit_line(samples[n]) if n in samples else NodeCost(fit="fixed") for n in graph.nodes}
+    lengths = [r["response_length/max"] for _, _, rows in runs for r in rows if "response_length/max" in r]
+    first = runs[0][0]
+    costs = CostFile(graph=graph.name, key=graph_key(graph), source=source, nodes=nodes, transfer=transfer,
+                     roles=role_memory(graph), tokens_per_row=max(lengths, default=0.0),
+                     measured_with={"workers": {p: c.workers for p, c in first.graph.config.pools.items()},
+                                    "micro_batches": [p.micro_batches for p, _, _ in runs],
+                                    "cpus": os.cpu_count(), "steps": max((len(rows) for *_, rows in runs), default=0)})
+    latencies = []
+    for plan, records, rows in runs:
+        measured = median_or_zero(step_intervals(records)) if records else median_or_zero(
+            [r.get("timing/interval", r.get("timing/step", 0.0)) for r in rows[1:]])
+        if measured > 0:
+            latencies.append(calibrate_latency(plan, costs, measured, predict_step))
+    return costs.model_copy(update={"task_latency_s": median_or_zero(latencies)})
+
+
+def read_run(run_dir: Path, traits: Any, warn: Callable[[str], None]) -> tuple[Graph, Plan, list[Record], list[dict]]:
+    """A finished run's graph (its ``config.yaml``), plan, task records (``trace.json``) and metric rows."""
+    config, metrics = run_dir / "config.yaml", run_dir / "metrics.jsonl"
+    if not config.is_file() or not metrics.is_file():
+        raise CommandError(f"{run_dir} is not a run directory: it has no config.yaml and metrics.jsonl "
+                           f"(give a graph to profile, or the directory a run wrote)")
+    graph = load_graph(config)
+    rows = [row for _, row in read_metrics(metrics, warn=warn)]
+    trace = run_dir / "trace.json"
+    records = task_records(json.loads(trace.read_text())) if trace.is_file() else []
+    return graph, make_plan(graph, traits), records, rows
+
+
+def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, Any], backend: str,
+                    say: Callable[[str], None], err: Console) -> Path:
+    """``flowrl profile``: fit (and, for a graph, first measure) a cost file; returns its path."""
+    traits = traits_of(backend)
+    try:
+        if Path(ref).is_dir():
+            graph, plan, records, rows = read_run(Path(ref), traits, say)
+            costs = fit_runs([(plan, records, rows)], graph, str(ref), measure_transfer())
+            return save_costs(costs, Path(ref) / COST_FILE)
+        base = {"trainer.val_every": 0, "trainer.checkpoint_every": 0, **overrides}
+        graph = load_graph(ref, overrides=base)
+        if not graph.check().ok:
+            raise CommandError(f"{ref}: the graph has errors; run `flowrl validate {ref}` to see them")
+        k = graph.config.schedule.micro_batches
+        variants = [k] + ([2 * k] if 2 * k <= graph.config.data.batch_size else [])
+        home = Path(out or graph.config.trainer.out or f"runs/{graph.name}")
+        target = home / "profile"
+        runs = []
+        for m in variants:
+            g = load_graph(ref, overrides={**base, "schedule.micro_batches": m})
+            where = target / f"micro_batches_{m}"
+            say(f"profiling {graph.name}: {steps} steps with micro_batches={m} → {where}")
+            trainer = Trainer(g, backend=backend, steps=steps, out=where, trace=where / "trace.json",
+                              overwrite=True, say=say, history_limit=steps)
+            history = trainer.run()
+            runs.append((trainer.runtime.plan, records_of(trainer.runtime.timeline.records), history))
+        costs = fit_runs(runs, graph, str(target), measure_transfer())
+        return save_costs(costs, home / COST_FILE)
+    except (GraphError, PlanError, CommandError, MetricsFileError, RuntimeFailure, OSError) as e:
+        msg = str(e.problems[0]) if isinstance(e, GraphError) and e.problems else str(e)
+        fail(err, msg)
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------- search
+def search_command(ref: str, graph: Graph, overrides: dict[str, Any], *, costs_path: str | None, cpus: float | None,
+                   gpus: int, nodes: int, memory_gib: float | None, max_staleness: int | None, write: str | None,
+                   backend: str, console: Console, err: Console, top: int = 10) -> SearchResult:
+    """``flowrl plan --search``: rank the configurations, print them, write the best when asked."""
+    if costs_path is None:
+        fail(err, f"--search needs --costs FILE: measure one with `flowrl profile {ref}`")
+    if cpus is None:
+        fail(err, "--search needs --cpus N: the CPU cores the run may use")
+    try:
+        costs = load_costs(Path(costs_path), graph)
+        budget = Budget(cpus=cpus, gpus=gpus, nodes=nodes, max_staleness=max_staleness,
+                        memory_per_device=memory_gib * GIB if memory_gib is not None else None)
+
+        def build(extra: dict[str, Any]) -> Graph:
+            return load_graph(ref, overrides={**overrides, **extra})
+
+        machine = (float(os.cpu_count() or 1), torch.cuda.device_count())
+        result = search(graph, build, costs, budget, traits_of(backend), machine=machine)
+    except (CostFileError, SearchError) as e:
+        fail(err, str(e))
+    print_search(result, console, top)
+    if write is not None:
+        tuned = build(result.best.overrides)
+        Path(write).write_text(yaml.safe_dump(tuned.config.dump(), sort_keys=False))
+        console.print(f"[green]wrote[/] {escape(write)}: run it with `flowrl run {escape(write)}`")
+    return result
+
+
+def _path_text(o: Any) -> str:
+    names: list[str] = []
+    for node, _ in o.critical:
+        if not names or names[-1] != node:
+            names.append(node)
+    return " → ".join(names)
+
+
+def print_search(result: SearchResult, console: Console, top: int) -> None:
+    label = "predicted from extrapolated costs" if result.extrapolated else "predicted from measured costs"
+    table = Table(title=f"plan search: {len(result.ranked)} configurations fit, {len(result.rejected)} rejected "
+                        f"({label})", title_justify="left")
+    for col in ("#", "configuration", "s/step", "vs shipped", "utilisation", "critical path", "memory/device"):
+        table.add_column(col, justify="right" if col in ("#", "s/step", "vs shipped") else "left")
+    base = result.shipped.step_s if result.shipped.ok else 0.0
+    shown = result.ranked[:top]
+    for i, o in enumerate(shown, 1):
+        util = ", ".join(f"{p} {u:.0%}" for p, u in sorted(o.utilisation.items()))
+        mem = ", ".join(f"{p} {b / GIB:.2f} GiB" for p, b in sorted(o.memory.items()))
+        speed = f"{base / o.step_s:.2f}×" if base and o.step_s else "-"
+        table.add_row(str(i), escape(describe(o)), f"{o.step_s:.3f}", speed, util, escape(_path_text(o)), mem)
+    if result.shipped.ok:
+        o = result.shipped
+        table.add_row("shipped", "as given", f"{o.step_s:.3f}", "1.00×",
+                      ", ".join(f"{p} {u:.0%}" for p, u in sorted(o.utilisation.items())), escape(_path_text(o)),
+                      ", ".join(f"{p} {b / GIB:.2f} GiB" for p, b in sorted(o.memory.items())))
+    console.print(table)
+    console.print(f"[bold]best[/]: {escape(describe(result.best))}: {escape(why(result))}")
+    if result.extrapolated:
+        console.print("[yellow]these are predictions from extrapolated costs[/] (a budget beyond this machine or "
+                      "worker counts beyond the profiled ones), assuming:")
+        for a in ASSUMPTIONS:
+            console.print(f"  - {escape(a)}")
+
+
+__all__ = ["CommandError", "fit_runs", "predict_step", "profile_command", "read_run", "role_memory",
+           "search_command"]

@@ -1,0 +1,329 @@
+"""Measured costs: each node's seconds as a function of its rows, weight syncs per byte, memory per role.
+
+A cost file is fitted from a run's task records (the per-task timings of a
+Chrome trace, or the per-node ``timing/<node>`` of its ``metrics.jsonl``). A
+task's seconds on one rank are ``fixed_s + per_row_s × rows`` where ``rows`` is
+what that rank runs: the task's rows in its node's row space (samples, not
+prompts, after ``n``), divided over the ranks its dispatch mode splits them
+across. Real tokens per row are fixed by the graph (its ``max_new_tokens``,
+its data), which the search never changes, so rows carry them. A weight sync
+(and an update's gradient all-reduce on more than one rank) costs
+``fixed_s + per_byte_s × bytes`` of the role's parameters. Each role's memory
+per device: parameters, gradients and optimizer state (trainable roles),
+activations per token in a training pass, KV cache per token for generation.
+
+The file is versioned JSON validated on load and keyed to the graph's
+algorithm (roles, nodes and their parameters, data source); pools, schedule,
+batch size and trainer keys may differ, which is what the search varies.
+
+Example::
+
+    costs = fit_costs(plan, task_records(trace), source="runs/grpo")
+    save_costs(costs, Path("runs/grpo/costs.json"))
+    costs = load_costs(Path("runs/grpo/costs.json"), graph)   # CostFileError if from another graph
+    seconds = task_seconds(plan, costs)                         # task key → predicted seconds
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from flowrl.graph import Graph
+from flowrl.runtime.plan import Plan, Task, TaskKey
+from flowrl.runtime.pools import DRIVER
+
+COST_VERSION = 1
+COST_FILE = "costs.json"
+GIB = 1024 ** 3
+
+
+class CostFileError(ValueError):
+    """A cost file that cannot be used: unreadable, another version, or another graph's."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class NodeCost(_Strict):
+    """Seconds of one task on one rank: ``fixed_s + per_row_s × rows``."""
+
+    fixed_s: float = Field(0.0, ge=0)
+    per_row_s: float = Field(0.0, ge=0)
+    fit: Literal["affine", "proportional", "fixed"] = "affine"
+    rows_seen: list[float] = Field(default_factory=list)  # the distinct row counts it was fitted on
+    samples: int = Field(0, ge=0)
+
+    def seconds(self, rows: float) -> float:
+        return self.fixed_s + self.per_row_s * rows
+
+
+class Transfer(_Strict):
+    """Moving a role's weights (a sync to another pool, a gradient all-reduce): ``fixed_s + per_byte_s × bytes``."""
+
+    fixed_s: float = Field(0.0, ge=0)
+    per_byte_s: float = Field(0.0, ge=0)
+    how: str = ""
+
+    def seconds(self, nbytes: float) -> float:
+        return self.fixed_s + self.per_byte_s * nbytes
+
+
+class RoleMemory(_Strict):
+    """What one copy of a role holds, from its model's config."""
+
+    params: int = Field(0, ge=0)
+    bytes_per_param: int = Field(4, ge=1)
+    trainable: bool = False
+    optimizer_bytes_per_param: int = Field(8, ge=0)  # Adam: two fp32 moments
+    activation_bytes_per_token: int = Field(0, ge=0)
+    kv_bytes_per_token: int = Field(0, ge=0)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.bytes_per_param
+
+
+class CostFile(_Strict):
+    version: Literal[1] = COST_VERSION
+    graph: str  # the graph's name, for messages
+    key: str  # graph_key(): what the costs depend on
+    source: str = ""  # the run directory they were fitted from
+    nodes: dict[str, NodeCost]
+    task_latency_s: float = Field(0.0, ge=0)  # per task: dispatch and moving its inputs (calibrated)
+    transfer: Transfer = Transfer()
+    roles: dict[str, RoleMemory] = Field(default_factory=dict)
+    tokens_per_row: float = Field(0.0, ge=0)  # prompt + response tokens of a sample, as measured
+    measured_with: dict[str, Any] = Field(default_factory=dict)  # workers per pool, backend, steps, cpus
+
+
+def graph_key(graph: Graph) -> str:
+    """A digest of what the costs depend on: roles, nodes with their parameters, data source.
+    Pools, schedule, batch size and trainer keys are left out: the search varies them."""
+    cfg = graph.config.dump()
+    what = {"roles": cfg.get("roles"), "data": cfg.get("data", {}).get("source"),
+            "nodes": {n: {k: v for k, v in c.items() if k != "micro_batch_size"}
+                      for n, c in (cfg.get("nodes") or {}).items()}}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def load_costs(path: Path, graph: Graph) -> CostFile:
+    """A cost file fitted for ``graph``'s algorithm, or :class:`CostFileError` saying why not."""
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise CostFileError(f"cost file {path}: cannot read it ({e.strerror or e}); write one with "
+                            f"`flowrl profile {graph.name}`") from None
+    except ValueError as e:
+        raise CostFileError(f"cost file {path}: not JSON ({e})") from None
+    if isinstance(raw, dict) and raw.get("version") not in (None, COST_VERSION):
+        raise CostFileError(f"cost file {path} is version {raw.get('version')!r}; this flowrl reads version "
+                            f"{COST_VERSION}: profile again with `flowrl profile {graph.name}`")
+    try:
+        costs = CostFile.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        raise CostFileError(f"cost file {path}: {where}: {first['msg']}") from None
+    if costs.key != graph_key(graph):
+        raise CostFileError(
+            f"cost file {path} was profiled for graph {costs.graph!r} (key {costs.key}), not this graph "
+            f"{graph.name!r} (key {graph_key(graph)}): its roles, nodes or data differ. Profile this graph "
+            f"with `flowrl profile {graph.name}`")
+    missing = [n for n in graph.nodes if n not in costs.nodes]
+    if missing:
+        raise CostFileError(f"cost file {path} has no cost for node(s) {', '.join(missing)}")
+    return costs
+
+
+def save_costs(costs: CostFile, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(costs.model_dump(), indent=1, sort_keys=True) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- rows and records
+def rank_rows(plan: Plan, task: Task) -> float:
+    """Rows one rank runs: the task's rows in its node's space, split across ranks unless every rank gets all."""
+    lo, hi = plan.rows(plan.spaces[task.node], task.mb)
+    splits = task.pool != DRIVER and task.dispatch != "all" and len(task.ranks) > 1
+    return (hi - lo) / len(task.ranks) if splits else float(hi - lo)
+
+
+@dataclass(frozen=True)
+class Record:
+    """One task on one rank, as a run recorded it."""
+
+    node: str
+    mb: int | None
+    step: int
+    rank: int
+    start: float
+    end: float
+
+
+def task_records(trace: dict[str, Any]) -> list[Record]:
+    """The training tasks of a Chrome trace written by a run (``--trace``, :meth:`Timeline.to_chrome_trace`)."""
+    out = []
+    for ev in trace.get("traceEvents", []):
+        args = ev.get("args") or {}
+        if ev.get("ph") != "X" or args.get("plan", "train") != "train":
+            continue
+        mb = args.get("micro_batch")
+        node = ev["name"].rsplit("[", 1)[0] if mb is not None else ev["name"]
+        start = ev["ts"] / 1e6
+        out.append(Record(node, mb, int(args.get("step", 0)), int(ev.get("tid", 0)), start, start + ev["dur"] / 1e6))
+    return out
+
+
+def records_of(infos: Iterable[Any]) -> list[Record]:
+    """Records from a timeline's reports (:class:`~flowrl.runtime.worker.Info`), training plan only."""
+    return [Record(i.node, i.mb, i.step, i.rank, i.start, i.end) for i in infos if i.plan == "train"]
+
+
+def fit_line(samples: list[tuple[float, float]]) -> NodeCost:
+    """Least squares ``seconds = fixed + per_row × rows``, both non-negative; through the origin
+    when one row count was seen (nothing tells fixed from per-row cost then)."""
+    rows = np.array([r for r, _ in samples], dtype=float)
+    secs = np.array([s for _, s in samples], dtype=float)
+    seen = sorted({float(r) for r in rows})
+    if len(samples) == 0:
+        return NodeCost(fit="fixed")
+    if len(seen) >= 2:
+        a = np.stack([np.ones_like(rows), rows], axis=1)
+        (fixed, per_row), *_ = np.linalg.lstsq(a, secs, rcond=None)
+        if fixed >= 0 and per_row >= 0:
+            return NodeCost(fixed_s=float(fixed), per_row_s=float(per_row), fit="affine",
+                            rows_seen=seen, samples=len(samples))
+        if per_row < 0:  # time does not grow with rows: a constant
+            return NodeCost(fixed_s=float(secs.mean()), fit="fixed", rows_seen=seen, samples=len(samples))
+    if rows.sum() <= 0:
+        return NodeCost(fixed_s=float(np.median(secs)), fit="fixed", rows_seen=seen, samples=len(samples))
+    return NodeCost(per_row_s=float((rows @ secs) / (rows @ rows)), fit="proportional",
+                    rows_seen=seen, samples=len(samples))
+
+
+def node_samples(plan: Plan, records: list[Record], skip_steps: int = 1) -> dict[str, list[tuple[float, float]]]:
+    """``(rows on the rank, seconds)`` per node from a run of ``plan`` (its first ``skip_steps`` warm up)."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    first = min((r.step for r in records), default=0)
+    for r in records:
+        task = plan.tasks.get((r.node, r.mb))
+        if task is None or r.step < first + skip_steps:
+            continue
+        out.setdefault(r.node, []).append((rank_rows(plan, task), r.end - r.start))
+    return out
+
+
+def metric_samples(plan: Plan, rows: list[dict[str, Any]], skip_steps: int = 1) -> dict[str, list[tuple[float, float]]]:
+    """The same from ``metrics.jsonl``: ``timing/<node>`` is the sum of its tasks' (slowest-rank) seconds."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for row in rows[skip_steps:]:
+        for node in plan.graph.nodes:
+            if f"timing/{node}" not in row:
+                continue
+            tasks = plan.node_tasks(node)
+            per_task = row[f"timing/{node}"] / len(tasks)
+            out.setdefault(node, []).extend((rank_rows(plan, t), per_task) for t in tasks)
+    return out
+
+
+def step_intervals(records: list[Record], skip_steps: int = 1) -> list[float]:
+    """Seconds between the ends of consecutive steps (a step's wall time, overlap included)."""
+    ends: dict[int, float] = {}
+    for r in records:
+        ends[r.step] = max(ends.get(r.step, r.end), r.end)
+    steps = sorted(ends)[skip_steps:]
+    return [ends[b] - ends[a] for a, b in zip(steps, steps[1:])]
+
+
+# ---------------------------------------------------------------- prediction
+def task_seconds(plan: Plan, costs: CostFile) -> dict[TaskKey, float]:
+    """Predicted seconds of every task of ``plan``: its node's cost at its rows per rank, the calibrated
+    task latency, the weight syncs it loads first, and an update's gradient all-reduce across ranks."""
+    out: dict[TaskKey, float] = {}
+    for key, task in plan.tasks.items():
+        s = costs.nodes[task.node].seconds(rank_rows(plan, task)) + costs.task_latency_s
+        for gate in task.syncs:
+            s += costs.transfer.seconds(_weight_bytes(costs, gate.sync_role))
+        if task.updates is not None and task.gather > 1 and task.dispatch != "all":
+            world = task.gather
+            s += costs.transfer.seconds(2 * (world - 1) / world * _weight_bytes(costs, task.updates))
+        out[key] = s
+    return out
+
+
+def _weight_bytes(costs: CostFile, role: str | None) -> int:
+    mem = costs.roles.get(role or "")
+    return mem.weight_bytes if mem is not None else 0
+
+
+def device_memory(plan: Plan, costs: CostFile) -> dict[str, int]:
+    """Bytes one worker of each pool holds at its peak: every role object it builds (weights; gradients and
+    optimizer state of a trainable role; all three sharded over a process group's ranks; a role sharing
+    another's object adds nothing), plus the largest working set of the tasks it runs: activations per
+    token of a training pass, or for generation the KV cache per token and a sharded role's gathered weights."""
+    graph, out = plan.graph, {}
+    for spec in plan.pools:
+        shard = spec.workers if plan.traits.process_groups else 1
+        held = 0
+        for build in spec.roles:
+            mem = costs.roles.get(build.name)
+            if mem is None or build.shares is not None:
+                continue
+            extra = mem.bytes_per_param + mem.optimizer_bytes_per_param if mem.trainable else 0
+            held += mem.params * (mem.bytes_per_param + extra) // (shard if mem.trainable else 1)
+        peak = 0
+        for task in plan.tasks.values():
+            node = graph.nodes[task.node]
+            mem = costs.roles.get(_owner(spec, node.role))
+            if task.pool != spec.name or mem is None:
+                continue
+            rows = rank_rows(plan, task)
+            micro = node.config.params.get("micro_batch_size")
+            if node.updates_role or not task.factor > 1:
+                need = mem.activation_bytes_per_token * costs.tokens_per_row * (min(rows, micro) if micro else rows)
+            else:  # generation: a KV cache per token, on weights gathered from the shards
+                gathered = mem.weight_bytes - mem.weight_bytes // shard if mem.trainable else 0
+                need = mem.kv_bytes_per_token * costs.tokens_per_row * rows + gathered
+            peak = max(peak, int(need))
+        out[spec.name] = held + peak
+    return out
+
+
+def _owner(spec: Any, role: str | None) -> str:
+    """The role whose object a role of this pool is (itself, or the role it shares)."""
+    for build in spec.roles:
+        if build.name == role:
+            return build.shares or build.name
+    return role or ""
+
+
+def calibrate_latency(plan: Plan, costs: CostFile, measured_s: float, predict: Any) -> float:
+    """The per-task latency that makes the prediction of the profiled configuration match its measured
+    seconds per step (dispatch, moving inputs, gates: what task durations do not hold)."""
+    bare = predict(plan, task_seconds(plan, costs.model_copy(update={"task_latency_s": 0.0})))
+    if measured_s <= bare:
+        return 0.0
+    one = predict(plan, task_seconds(plan, costs.model_copy(update={"task_latency_s": 1e-3})))
+    slope = (one - bare) / 1e-3
+    return (measured_s - bare) / slope if slope > 0 else 0.0
+
+
+def median_or_zero(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else 0.0
+
+
+__all__ = ["COST_FILE", "COST_VERSION", "CostFile", "CostFileError", "GIB", "NodeCost", "Record", "RoleMemory",
+           "Transfer", "calibrate_latency", "device_memory", "fit_line", "graph_key", "load_costs",
+           "median_or_zero", "metric_samples", "node_samples", "records_of", "rank_rows", "save_costs",
+           "step_intervals", "task_records", "task_seconds"]
