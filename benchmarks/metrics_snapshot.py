@@ -28,7 +28,7 @@ from flowrl.graph import builtin_graphs, load_graph
 from flowrl.runtime.trainer import Trainer
 
 #: metric prefixes that measure wall time, not what was computed
-TIMED = ("timing/", "throughput/", "perf/", "time/")
+TIMED = ("timing/", "throughput/", "perf/", "time/", "plan/")
 #: scheduler metrics derived from measured durations (min_weight_version is not: it is compared)
 TIMED_KEYS = {"scheduler/lower_bound", "scheduler/critical_path", "scheduler/efficiency",
               "scheduler/pipeline_efficiency"}

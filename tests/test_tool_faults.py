@@ -278,7 +278,7 @@ def test_a_verl_contract_tool_runs_in_grpo_tools_as_the_native_tool_does(tmp_pat
         rows = Trainer(load_graph(ROOT / "graphs" / "grpo_tools.yaml", overrides=overrides), backend="local",
                        steps=2, out=tmp_path / out).run()
         tiny_tools._warmed_up_state.cache_clear()
-        return [{k: v for k, v in row.items() if not k.startswith(("timing/", "throughput/", "scheduler/",
+        return [{k: v for k, v in row.items() if not k.startswith(("timing/", "throughput/", "scheduler/", "plan/",
                                                                      "multi_turn/tool/add/"))} for row in rows]
 
     native = history({"class_name": "operators.rollout.tools.AddTool", "config": {"reward": 0.0}}, "native")

@@ -40,6 +40,7 @@ from flowrl.graph import REGISTRY, Graph
 from flowrl.runtime.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
                                        fingerprint, worker_counts)
 from flowrl.runtime.dumps import graph_fields, write_rollouts
+from flowrl.runtime.plancheck import PlanCheck
 from flowrl.runtime.rundir import RunDirectory
 from flowrl.runtime.scheduler import Runtime, StepResult
 from flowrl.runtime.sinks import open_sinks, read_metrics
@@ -98,6 +99,7 @@ class Trainer:
         self._last_end: float | None = None
         # rows a step generates: prompts × the largest expansion (n samples per prompt)
         self.samples_per_step = cfg.data.batch_size * max(sp.factor for sp in self.runtime.plan.spaces.values())
+        self.plan_check = PlanCheck(self.runtime.plan, self.out, say)  # plan/predicted_step_s, plan/error
 
     def run(self) -> list[dict[str, float]]:
         """Run the steps (resuming first when asked) and return the metrics rows of this run."""
@@ -262,4 +264,5 @@ class Trainer:
             row["throughput/samples_per_s"] = self.samples_per_step / wall
             if "response_length/mean" in row:
                 row["throughput/tokens_per_s"] = self.samples_per_step * row["response_length/mean"] / wall
+        row.update(self.plan_check.observe(row))
         return row

@@ -1,0 +1,152 @@
+"""Cost files: fitted from task records by rows, validated and keyed to their graph on load; every run
+checks its plan's prediction against what it measures (``plan/predicted_step_s``, ``plan/error``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from flowrl.cli import app
+from flowrl.cli_plan import fit_runs, predict_step
+from flowrl.graph import load_graph
+from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, fit_line,
+                                  graph_key, load_costs, rank_rows, save_costs, task_records, task_seconds)
+from flowrl.runtime.plan import make_plan
+from flowrl.runtime.plancheck import PlanCheck
+
+#: the synthetic truth: seconds of one task on one rank = fixed + per_row × rows
+TRUTH = {"generate": (0.05, 0.002), "reward": (0.01, 0.0001), "advantage": (0.002, 0.00002),
+         "update_actor": (0.1, 0.004)}
+
+
+def records(plan, steps: int = 4) -> list[Record]:
+    """What a run of ``plan`` would record if every task took exactly the synthetic truth."""
+    out, t = [], 0.0
+    for step in range(steps):
+        for key in plan.order:
+            task = plan.tasks[key]
+            fixed, per_row = TRUTH[task.node]
+            d = fixed + per_row * rank_rows(plan, task)
+            for rank in task.ranks:
+                out.append(Record(task.node, task.mb, step, rank, t, t + d))
+            t += d
+    return out
+
+
+def test_a_line_is_fitted_by_least_squares_and_through_the_origin_from_one_row_count():
+    line = fit_line([(r, 0.3 + 0.01 * r) for r in (8, 16, 32, 64)])
+    assert line.fit == "affine"
+    assert line.fixed_s == pytest.approx(0.3) and line.per_row_s == pytest.approx(0.01)
+    one = fit_line([(32, 0.64), (32, 0.64)])
+    assert one.fit == "proportional" and one.fixed_s == 0 and one.per_row_s == pytest.approx(0.02)
+
+
+def test_two_profiled_micro_batch_counts_recover_each_nodes_fixed_and_per_row_cost():
+    g = load_graph("grpo", overrides={"schedule.micro_batches": 1})
+    runs = []
+    for k in (1, 2):
+        plan = make_plan(load_graph("grpo", overrides={"schedule.micro_batches": k}))
+        runs.append((plan, records(plan), []))
+    costs = fit_runs(runs, g, "synthetic", Transfer())
+    for node, (fixed, per_row) in TRUTH.items():
+        if len(costs.nodes[node].rows_seen) > 1:  # streamed nodes saw 256 and 128 rows
+            assert costs.nodes[node].fixed_s == pytest.approx(fixed, rel=1e-6)
+        assert costs.nodes[node].per_row_s == pytest.approx(per_row if len(costs.nodes[node].rows_seen) > 1
+                                                            else per_row + fixed / 256, rel=1e-6)
+    assert costs.roles["actor"].trainable and costs.roles["actor"].params > 0
+    assert costs.task_latency_s == pytest.approx(0.0, abs=1e-9)  # the records have no gaps to calibrate
+    # the prediction of the profiled configuration is its measured step
+    plan = runs[0][0]
+    assert predict_step(plan, task_seconds(plan, costs)) == pytest.approx(
+        sum(f + p * 256 for f, p in TRUTH.values()), rel=1e-6)
+
+
+def test_a_trace_reads_back_as_the_records_it_was_written_from(tmp_path):
+    from flowrl.runtime.timeline import Timeline
+    from flowrl.runtime.worker import Info
+
+    tl = Timeline()
+    tl.add(Info("generate", 2, 1, "train", 0, 1, 10.0, 10.5, 16, None))
+    tl.add(Info("update_actor", 2, None, "train", 1, 1, 10.5, 11.0, 32, None))
+    tl.add(Info("generate", 2, None, "train", 0, 1, 12.0, 12.1, 4, None, plan="val"))
+    trace = json.loads(tl.to_chrome_trace(tmp_path / "t.json").read_text())
+    got = task_records(trace)
+    assert [(r.node, r.mb, r.step, r.rank) for r in got] == [("generate", 1, 2, 0), ("update_actor", None, 2, 1)]
+    assert [round(r.end - r.start, 6) for r in got] == [0.5, 0.5]
+
+
+def cost_file(graph, **nodes: NodeCost) -> CostFile:
+    return CostFile(graph=graph.name, key=graph_key(graph), nodes={n: nodes.get(n, NodeCost()) for n in graph.nodes},
+                    roles={"actor": RoleMemory(params=1000, trainable=True)})
+
+
+def test_a_cost_file_is_validated_and_belongs_to_one_graph(tmp_path):
+    grpo, ppo = load_graph("grpo"), load_graph("ppo")
+    path = save_costs(cost_file(grpo), tmp_path / "costs.json")
+    assert load_costs(path, grpo).graph == "grpo"
+    # pools, schedule and batch size are what the search varies: the same costs apply
+    tuned = load_graph("grpo", overrides={"pools.train.workers": 2, "schedule.micro_batches": 4,
+                                          "data.batch_size": 16})
+    assert load_costs(path, tuned).key == graph_key(grpo)
+    with pytest.raises(CostFileError, match="profiled for graph 'grpo'.*not this graph 'ppo'"):
+        load_costs(path, ppo)
+    with pytest.raises(CostFileError, match="profiled for graph"):  # another algorithm: another n
+        load_costs(path, load_graph("grpo", overrides={"nodes.generate.n": 4}))
+    raw = json.loads(path.read_text())
+    (tmp_path / "v2.json").write_text(json.dumps({**raw, "version": 2}))
+    with pytest.raises(CostFileError, match="version 2"):
+        load_costs(tmp_path / "v2.json", grpo)
+    raw["nodes"]["generate"]["per_row_s"] = -1
+    (tmp_path / "bad.json").write_text(json.dumps(raw))
+    with pytest.raises(CostFileError, match="nodes.generate.per_row_s"):
+        load_costs(tmp_path / "bad.json", grpo)
+    with pytest.raises(CostFileError, match="cannot read it"):
+        load_costs(tmp_path / "missing.json", grpo)
+
+
+def test_a_sync_and_an_all_reduce_are_priced_by_the_bytes_they_move():
+    g = load_graph("grpo_async", overrides={"pools.train.workers": 2})
+    plan = make_plan(g)
+    costs = CostFile(graph=g.name, key=graph_key(g), nodes={n: NodeCost(per_row_s=0.001) for n in g.nodes},
+                     transfer=Transfer(fixed_s=0.01, per_byte_s=1e-9),
+                     roles={"actor": RoleMemory(params=1_000_000, trainable=True), "rollout": RoleMemory(params=1_000_000)})
+    s = task_seconds(plan, costs)
+    # generate loads the rollout role's 4 MB before it runs; the update all-reduces 2(N-1)/N of 4 MB
+    assert s[("generate", None)] == pytest.approx(0.001 * 256 + 0.01 + 4e6 * 1e-9)
+    assert s[("update_actor", None)] == pytest.approx(0.001 * 128 + 0.01 + 4e6 * 1e-9)
+
+
+def test_every_step_logs_the_plans_prediction_and_warns_naming_the_node_that_drifted(tmp_path):
+    g = load_graph("grpo")
+    plan = make_plan(g)
+    save_costs(cost_file(g, generate=NodeCost(per_row_s=0.001), update_actor=NodeCost(per_row_s=0.002)),
+               tmp_path / "costs.json")
+    said: list[str] = []
+    check = PlanCheck(plan, tmp_path, say=said.append)
+    predicted = 0.001 * 256 + 0.002 * 256
+    ok = check.observe({"step": 1, "timing/step": predicted, "timing/generate": 0.256, "timing/update_actor": 0.512})
+    assert ok["plan/predicted_step_s"] == pytest.approx(predicted) and ok["plan/error"] == pytest.approx(0.0)
+    slow = {"step": 2, "timing/interval": predicted + 0.4, "timing/generate": 0.656, "timing/update_actor": 0.512}
+    out = check.observe(slow)
+    assert out["plan/error"] == pytest.approx(0.4 / predicted)
+    assert len(said) == 1 and "'generate'" in said[0]
+    check.observe({**slow, "step": 3})
+    assert len(said) == 1  # once per node
+
+
+def test_without_a_cost_file_the_prediction_comes_from_the_steps_before(tmp_path):
+    plan = make_plan(load_graph("grpo"))
+    check = PlanCheck(plan, tmp_path, say=lambda m: None)
+    row = {"timing/step": 1.0, "timing/generate": 0.25, "timing/update_actor": 0.75}
+    assert check.observe({**row, "step": 1}) == {}  # warm-up: nothing measured to predict from
+    assert check.observe({**row, "step": 2}) == {}
+    out = check.observe({**row, "step": 3})
+    assert out["plan/predicted_step_s"] == pytest.approx(1.0) and out["plan/error"] == pytest.approx(0.0)
+
+
+def test_profile_refuses_a_directory_that_is_not_a_run(tmp_path):
+    res = CliRunner().invoke(app, ["profile", str(tmp_path)])
+    assert res.exit_code == 1 and "Traceback" not in res.output
+    assert isinstance(res.exception, SystemExit)
