@@ -31,6 +31,7 @@ EXPECTED = {
     "engines.py": ["rollout engines", "hf tok/s"],
     "metrics_snapshot.py": ["grpo           local recorded 2 steps", "MATCH: identical"],
     "plain_grpo.py": ["done: 3 steps"],
+    "plan_search.py": ["plan search on grpo", "median |error|"],
     "scheduler.py": ["makespan vs lower bound", "flowrl mb=4 staleness=1", "fan-out: 1 producer"],
     "tokens.py": ["padded vs trimmed", "trimmed"],
 }

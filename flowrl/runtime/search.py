@@ -185,6 +185,13 @@ def evaluate(graph: Graph, costs: CostFile, budget: Budget, overrides: dict[str,
         out.rejected = f"plan: {e}"
         return out
     out.plan = plan
+    for task in plan.tasks.values():
+        lo, hi = plan.rows(plan.spaces[task.node], task.mb)
+        inputs = (hi - lo) // max(1, task.factor)  # a node that expands rows splits its input rows
+        if task.dispatch != "all" and len(task.ranks) > 1 and inputs < len(task.ranks):
+            out.rejected = (f"plan: a task of node {task.node!r} has {inputs} input rows for the "
+                            f"{len(task.ranks)} ranks of pool {task.pool!r}: a rank would run on none")
+            return out
     out.memory = device_memory(plan, costs)
     over = {p: b for p, b in out.memory.items() if budget.memory_per_device and b > budget.memory_per_device}
     if over:
