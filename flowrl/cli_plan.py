@@ -2,7 +2,8 @@
 
 ``flowrl profile GRAPH --steps K`` runs the graph briefly (then once more with
 twice the micro-batches, so a node's fixed cost per task is told from its cost
-per row) and writes ``costs.json`` into the run directory; ``flowrl profile
+per row, and once with twice the workers where the machine has the cores, so
+data parallelism is measured rather than assumed) and writes ``costs.json`` into the run directory; ``flowrl profile
 RUN_DIR`` fits one from a run that already happened (its ``trace.json`` when
 written with ``--trace``, else the ``timing/<node>`` of its ``metrics.jsonl``).
 ``flowrl plan GRAPH --search --costs FILE --cpus N`` ranks the configurations
@@ -32,12 +33,12 @@ from flowrl.graph import Graph, GraphError, load_graph
 from flowrl.runtime.costs import (COST_FILE, GIB, CostFile, CostFileError, NodeCost, Record, RoleMemory,
                                   Transfer, calibrate_latency, fit_line, graph_key, load_costs, median_or_zero,
                                   metric_samples, node_samples, records_of, save_costs, step_intervals,
-                                  task_records)
+                                  task_records, world_factors)
 from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.plan import Plan, PlanError, make_plan
 from flowrl.runtime.search import (ASSUMPTIONS, SIM_STEPS, Budget, SearchError, SearchResult, describe, search,
                                    why)
-from flowrl.runtime.simulate import simulate_steps
+from flowrl.runtime.simulate import seconds_per_step
 from flowrl.runtime.sinks import MetricsFileError, read_metrics
 from flowrl.runtime.trainer import Trainer
 from flowrl.runtime.traits import traits_of
@@ -60,8 +61,7 @@ def fail(err: Console, message: str) -> None:
 # ---------------------------------------------------------------- profile
 def predict_step(plan: Plan, seconds: dict[Any, float]) -> float:
     """Predicted seconds per step with steps back to back (the search's measure)."""
-    ends = simulate_steps(plan, seconds, SIM_STEPS)
-    return (ends[-1] - ends[1]) / (len(ends) - 2)
+    return seconds_per_step(plan, seconds, SIM_STEPS)[0]
 
 
 def role_memory(graph: Graph) -> dict[str, RoleMemory]:
@@ -108,19 +108,31 @@ def measure_transfer(sizes: tuple[int, ...] = (1 << 18, 1 << 21, 1 << 23)) -> Tr
 
 def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph: Graph, source: str,
              transfer: Transfer) -> CostFile:
-    """A cost file from one or more runs of ``graph`` (each: its plan, task records, metric rows)."""
+    """A cost file from one or more runs of ``graph`` (each: its plan, task records, metric rows). The
+    runs with the first run's worker counts fit each node's line; runs on other worker counts give
+    each node's factor against its line there (:func:`~flowrl.runtime.costs.world_factors`)."""
+    def workers(plan: Plan) -> dict[str, int]:
+        return {n: plan.node_tasks(n)[0].world for n in plan.graph.nodes}
+
+    def samples_of(plan: Plan, records: list[Record], rows: list[dict[str, Any]]) -> dict[str, list]:
+        return node_samples(plan, records) if records else metric_samples(plan, rows)
+
+    base = workers(runs[0][0])
     samples: dict[str, list[tuple[float, float]]] = {}
     for plan, records, rows in runs:
-        got = node_samples(plan, records) if records else metric_samples(plan, rows)
-        for node, xs in got.items():
-            samples.setdefault(node, []).extend(xs)
+        if workers(plan) == base:
+            for node, xs in samples_of(plan, records, rows).items():
+                samples.setdefault(node, []).extend(xs)
     nodes = {n: fit_line(samples[n]) if n in samples else NodeCost(fit="fixed") for n in graph.nodes}
+    for plan, records, rows in runs:
+        if workers(plan) != base:
+            world_factors(nodes, plan, samples_of(plan, records, rows), base)
     lengths = [r["response_length/max"] for _, _, rows in runs for r in rows if "response_length/max" in r]
-    first = runs[0][0]
+    pools = [{p: c.workers for p, c in plan.graph.config.pools.items()} for plan, _, _ in runs]
     costs = CostFile(graph=graph.name, key=graph_key(graph), source=source, nodes=nodes, transfer=transfer,
                      roles=role_memory(graph), tokens_per_row=max(lengths, default=0.0),
-                     measured_with={"workers": {p: c.workers for p, c in first.graph.config.pools.items()},
-                                    "micro_batches": [p.micro_batches for p, _, _ in runs],
+                     measured_with={"workers": pools[0], "runs": [{"workers": w, "micro_batches": plan.micro_batches}
+                                                                  for w, (plan, _, _) in zip(pools, runs)],
                                     "cpus": os.cpu_count(), "steps": max((len(rows) for *_, rows in runs), default=0)})
     latencies = []
     for plan, records, rows in runs:
@@ -158,14 +170,22 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
         if not graph.check().ok:
             raise CommandError(f"{ref}: the graph has errors; run `flowrl validate {ref}` to see them")
         k = graph.config.schedule.micro_batches
-        variants = [k] + ([2 * k] if 2 * k <= graph.config.data.batch_size else [])
+        variants: list[dict[str, Any]] = [{"schedule.micro_batches": k}]
+        if 2 * k <= graph.config.data.batch_size:
+            variants.append({"schedule.micro_batches": 2 * k})
+        pools = graph.config.pools
+        if sum(2 * p.workers * p.cpus for p in pools.values()) <= (os.cpu_count() or 1):
+            # twice the workers, where this machine has the cores: data parallelism measured, not assumed
+            variants.append({"schedule.micro_batches": k, **{f"pools.{n}.workers": 2 * p.workers
+                                                             for n, p in pools.items()}})
         home = Path(out or graph.config.trainer.out or f"runs/{graph.name}")
         target = home / "profile"
         runs = []
-        for m in variants:
-            g = load_graph(ref, overrides={**base, "schedule.micro_batches": m})
-            where = target / f"micro_batches_{m}"
-            say(f"profiling {graph.name}: {steps} steps with micro_batches={m} → {where}")
+        for i, variant in enumerate(variants):
+            g = load_graph(ref, overrides={**base, **variant})
+            where = target / f"run_{i}"
+            say(f"profiling {graph.name}: {steps} steps with {', '.join(f'{a}={b}' for a, b in variant.items())} "
+                f"→ {where}")
             trainer = Trainer(g, backend=backend, steps=steps, out=where, trace=where / "trace.json",
                               overwrite=True, say=say, history_limit=steps)
             history = trainer.run()

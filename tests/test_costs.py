@@ -21,14 +21,15 @@ TRUTH = {"generate": (0.05, 0.002), "reward": (0.01, 0.0001), "advantage": (0.00
          "update_actor": (0.1, 0.004)}
 
 
-def records(plan, steps: int = 4) -> list[Record]:
-    """What a run of ``plan`` would record if every task took exactly the synthetic truth."""
+def records(plan, steps: int = 4, slower: float = 1.0) -> list[Record]:
+    """What a run of ``plan`` would record if every task took exactly the synthetic truth
+    (``slower`` times it on a pool of more than one worker)."""
     out, t = [], 0.0
     for step in range(steps):
         for key in plan.order:
             task = plan.tasks[key]
             fixed, per_row = TRUTH[task.node]
-            d = fixed + per_row * rank_rows(plan, task)
+            d = (fixed + per_row * rank_rows(plan, task)) * (slower if task.world > 1 else 1.0)
             for rank in task.ranks:
                 out.append(Record(task.node, task.mb, step, rank, t, t + d))
             t += d
@@ -61,6 +62,25 @@ def test_two_profiled_micro_batch_counts_recover_each_nodes_fixed_and_per_row_co
     plan = runs[0][0]
     assert predict_step(plan, task_seconds(plan, costs)) == pytest.approx(
         sum(f + p * 256 for f, p in TRUTH.values()), rel=1e-6)
+
+
+def test_a_run_on_twice_the_workers_measures_data_parallelism_instead_of_assuming_it():
+    g = load_graph("grpo")
+    runs = [(plan, records(plan), []) for plan in
+            [make_plan(load_graph("grpo", overrides={"schedule.micro_batches": k})) for k in (1, 2)]]
+    two = make_plan(load_graph("grpo", overrides={"pools.train.workers": 2}))
+    runs.append((two, records(two, slower=1.8), []))  # two ranks sharing cores: 1.8× the line per rank
+    costs = fit_runs(runs, g, "synthetic", Transfer(fixed_s=1.0))
+    assert costs.nodes["generate"].world_factor == {2: pytest.approx(1.8)}  # an affine line: exactly
+    assert 2 in costs.nodes["update_actor"].world_factor  # a line through the origin: the factor absorbs it
+    assert costs.nodes["reward"].world_factor == {2: pytest.approx(1.8)}  # rank 0 of the pool: its cores too
+    s = task_seconds(two, costs)
+    # measured there: the factor replaces the assumed all-reduce (1 s fixed here, so it would show)
+    for node in ("generate", "update_actor"):
+        fixed, per_row = TRUTH[node]
+        assert s[(node, None)] == pytest.approx((fixed + per_row * 128) * 1.8)
+    four = make_plan(load_graph("grpo", overrides={"pools.train.workers": 4}))
+    assert task_seconds(four, costs)[("update_actor", None)] > 1.0  # never profiled: line + all-reduce
 
 
 def test_a_trace_reads_back_as_the_records_it_was_written_from(tmp_path):

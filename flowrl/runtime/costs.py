@@ -61,6 +61,8 @@ class NodeCost(_Strict):
     fit: Literal["affine", "proportional", "fixed"] = "affine"
     rows_seen: list[float] = Field(default_factory=list)  # the distinct row counts it was fitted on
     samples: int = Field(0, ge=0)
+    #: measured on a pool of N workers: seconds are this many times the line's (shared cores, collectives)
+    world_factor: dict[int, float] = Field(default_factory=dict)
 
     def seconds(self, rows: float) -> float:
         return self.fixed_s + self.per_row_s * rows
@@ -237,6 +239,19 @@ def metric_samples(plan: Plan, rows: list[dict[str, Any]], skip_steps: int = 1) 
     return out
 
 
+def world_factors(nodes: dict[str, NodeCost], plan: Plan, samples: dict[str, list[tuple[float, float]]],
+                  base: dict[str, int]) -> None:
+    """Record on ``nodes`` how much slower (or faster) than their lines the nodes ran in ``plan``, for the
+    nodes whose pool has another worker count than in the profiled ``base`` (node → workers)."""
+    for node, xs in samples.items():
+        world = plan.node_tasks(node)[0].world
+        if world == base.get(node, world) or node not in nodes:
+            continue
+        ratios = [s / nodes[node].seconds(r) for r, s in xs if nodes[node].seconds(r) > 0]
+        if ratios:
+            nodes[node].world_factor[world] = statistics.median(ratios)
+
+
 def step_intervals(records: list[Record], skip_steps: int = 1) -> list[float]:
     """Seconds between the ends of consecutive steps (a step's wall time, overlap included)."""
     ends: dict[int, float] = {}
@@ -248,16 +263,21 @@ def step_intervals(records: list[Record], skip_steps: int = 1) -> list[float]:
 
 # ---------------------------------------------------------------- prediction
 def task_seconds(plan: Plan, costs: CostFile) -> dict[TaskKey, float]:
-    """Predicted seconds of every task of ``plan``: its node's cost at its rows per rank, the calibrated
-    task latency, the weight syncs it loads first, and an update's gradient all-reduce across ranks."""
+    """Predicted seconds of every task of ``plan``: its node's cost at its rows per rank (times the factor
+    measured on its pool's worker count, when profiled there; else plus an update's gradient all-reduce
+    across ranks), the calibrated task latency, and the weight syncs it loads first."""
     out: dict[TaskKey, float] = {}
     for key, task in plan.tasks.items():
-        s = costs.nodes[task.node].seconds(rank_rows(plan, task)) + costs.task_latency_s
-        for gate in task.syncs:
-            s += costs.transfer.seconds(_weight_bytes(costs, gate.sync_role))
-        if task.updates is not None and task.gather > 1 and task.dispatch != "all":
+        node = costs.nodes[task.node]
+        s = node.seconds(rank_rows(plan, task))
+        if task.world in node.world_factor:  # measured on this many workers: collectives included
+            s *= node.world_factor[task.world]
+        elif task.updates is not None and task.gather > 1 and task.dispatch != "all":
             world = task.gather
             s += costs.transfer.seconds(2 * (world - 1) / world * _weight_bytes(costs, task.updates))
+        s += costs.task_latency_s
+        for gate in task.syncs:
+            s += costs.transfer.seconds(_weight_bytes(costs, gate.sync_role))
         out[key] = s
     return out
 
@@ -326,4 +346,4 @@ def median_or_zero(xs: list[float]) -> float:
 __all__ = ["COST_FILE", "COST_VERSION", "CostFile", "CostFileError", "GIB", "NodeCost", "Record", "RoleMemory",
            "Transfer", "calibrate_latency", "device_memory", "fit_line", "graph_key", "load_costs",
            "median_or_zero", "metric_samples", "node_samples", "records_of", "rank_rows", "save_costs",
-           "step_intervals", "task_records", "task_seconds"]
+           "step_intervals", "task_records", "task_seconds", "world_factors"]

@@ -1,6 +1,6 @@
 """Every run checks its plan's prediction against what it measures: ``plan/predicted_step_s``, ``plan/error``.
 
-The prediction is the search's (:func:`~flowrl.runtime.simulate.simulate_steps`
+The prediction is the search's (:func:`~flowrl.runtime.simulate.seconds_per_step`
 over :func:`~flowrl.runtime.costs.task_seconds`) from the cost file in the run
 directory (``costs.json``, written by ``flowrl profile``) when it was profiled
 for this graph; otherwise from the node times this run measured so far (each
@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 from flowrl.runtime.costs import COST_FILE, CostFile, CostFileError, load_costs, task_seconds
 from flowrl.runtime.plan import Plan, TaskKey
-from flowrl.runtime.simulate import simulate_steps
+from flowrl.runtime.simulate import seconds_per_step
 
 #: relative error past which the node that drifted most is named
 DRIFT = 0.25
@@ -64,8 +64,7 @@ class PlanCheck:
                        for k, t in self.plan.tasks.items()}
         else:
             return None
-        ends = simulate_steps(self.plan, seconds, STEPS)
-        return (ends[-1] - ends[1]) / (len(ends) - 2), self.node_seconds(seconds)
+        return seconds_per_step(self.plan, seconds, STEPS)[0], self.node_seconds(seconds)
 
     def observe(self, row: dict[str, Any]) -> dict[str, float]:
         """The step's ``plan/*`` metrics from its metrics row (``timing/*``); warns on drift."""

@@ -7,7 +7,7 @@ so a process), workers per pool, ``schedule.micro_batches``, the updates'
 graph's own staleness is kept: the algorithm is never changed unless asked). Each candidate is a set of ``--set``
 overrides, built into a graph the way ``--set`` builds one, checked by the
 graph checker, planned by :func:`~flowrl.runtime.plan.make_plan` and predicted
-by :func:`~flowrl.runtime.simulate.simulate_steps` with the tasks' seconds from
+by :func:`~flowrl.runtime.simulate.seconds_per_step` with the tasks' seconds from
 the cost file (:func:`~flowrl.runtime.costs.task_seconds`): the plan and the
 order the run itself would use. Candidates over the memory budget are rejected.
 
@@ -28,7 +28,7 @@ from flowrl.graph import Graph, GraphError
 from flowrl.runtime.costs import GIB, CostFile, device_memory, task_seconds
 from flowrl.runtime.plan import Plan, PlanError, TaskKey, make_plan
 from flowrl.runtime.pools import DRIVER
-from flowrl.runtime.simulate import pool_work, simulate_steps
+from flowrl.runtime.simulate import pool_work, seconds_per_step
 from flowrl.runtime.traits import RAY, BackendTraits
 
 #: steps simulated back to back: enough for the pipeline of the largest staleness tried to fill
@@ -37,7 +37,8 @@ MICRO_BATCHES = (1, 2, 4, 8)
 #: worker counts tried per pool (powers of two keep the space small on a large budget)
 WORKERS = (1, 2, 4, 8, 16, 32, 64)
 ASSUMPTIONS = (
-    "a data-parallel pass takes fixed + per-row × its rows / ranks (rows split evenly, measured per-row cost)",
+    "a data-parallel pass on a worker count never profiled takes fixed + per-row × its rows / ranks (rows "
+    "split evenly, the measured per-row cost); a profiled worker count uses the slowdown measured there",
     "an update on N ranks adds a gradient all-reduce of 2(N-1)/N × its weights at the measured bytes/s",
     "a weight sync to another pool costs the measured fixed + bytes/s; nodes add no network cost beyond it",
     "each worker has its own device (CPU core or GPU) as fast as the one profiled",
@@ -199,9 +200,7 @@ def evaluate(graph: Graph, costs: CostFile, budget: Budget, overrides: dict[str,
         out.rejected = (f"memory: pool {pool!r} needs {need / GIB:.2f} GiB per device, over the "
                         f"{budget.memory_per_device / GIB:.2f} GiB budget")
     seconds = task_seconds(plan, costs)
-    ends = simulate_steps(plan, seconds, SIM_STEPS)
-    out.makespan_s = ends[0]
-    out.step_s = (ends[-1] - ends[1]) / (len(ends) - 2)
+    out.step_s, out.makespan_s = seconds_per_step(plan, seconds, SIM_STEPS)
     work = pool_work(plan, seconds)
     out.utilisation = {p: min(1.0, w / out.step_s) if out.step_s > 0 else 0.0 for p, w in work.items()}
     out.critical, length = critical_path(plan, seconds)
@@ -249,10 +248,11 @@ def search(graph: Graph, build: Callable[[dict[str, Any]], Graph], costs: CostFi
         raise SearchError(no_fit_message(budget, rejected))
     ranked.sort(key=lambda o: (round(o.step_s, 6), _workers(o), o.overrides["schedule.micro_batches"],
                                str(o.overrides["schedule.staleness"])))
-    profiled = max((int(w) for w in costs.measured_with.get("workers", {}).values()), default=1)
+    measured = {1} | {int(w) for w in costs.measured_with.get("workers", {}).values()}
+    measured |= {w for n in costs.nodes.values() for w in n.world_factor}
     beyond = machine is not None and (budget.cpus * budget.nodes > machine[0] or budget.gpus * budget.nodes >
                                       machine[1] or budget.nodes > 1)
-    wider = any(_workers_max(o) > profiled for o in ranked[:1])
+    wider = any(p["workers"] not in measured for p in ranked[0].overrides["pools"].values())
     return SearchResult(ranked, rejected, shipped, extrapolated=beyond or wider)
 
 
@@ -269,10 +269,6 @@ def no_fit_message(budget: Budget, rejected: list[Outcome]) -> str:
 
 def _workers(o: Outcome) -> int:
     return sum(p["workers"] for p in o.overrides["pools"].values())
-
-
-def _workers_max(o: Outcome) -> int:
-    return max(p["workers"] for p in o.overrides["pools"].values())
 
 
 def describe(o: Outcome) -> str:

@@ -96,6 +96,13 @@ def simulate_steps(plan: Plan, seconds: dict[tuple[str, int | None], float], ste
     return step_end
 
 
+def seconds_per_step(plan: Plan, seconds: dict[tuple[str, int | None], float], steps: int = 8) -> tuple[float, float]:
+    """``(seconds per step, one step alone)`` with steps back to back (:func:`simulate_steps`): the
+    interval between step ends once the first step has filled the pipeline."""
+    ends = simulate_steps(plan, seconds, max(3, steps))
+    return (ends[-1] - ends[1]) / (len(ends) - 2), ends[0]
+
+
 def bounds_of(plan: Plan, durations: dict[tuple[str, int | None], float]) -> tuple[float, tuple[str, float]]:
     """Two lower bounds of a step's makespan given task durations: the critical path
     through the task graph, and the tightest pool bound — a pool runs its tasks one at a
@@ -135,4 +142,4 @@ def pool_work(plan: Plan, durations: dict[tuple[str, int | None], float]) -> dic
     return work
 
 
-__all__ = ["Simulation", "bounds_of", "pool_work", "simulate", "simulate_steps"]
+__all__ = ["Simulation", "bounds_of", "pool_work", "seconds_per_step", "simulate", "simulate_steps"]
