@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -99,6 +100,8 @@ def main() -> None:
                        f"configurations; the picked one measured rank {1 + [r[0] for r in by_measured].index(0)} "
                        f"of {len(rows)}, {picked_s / best_measured - 1:+.0%} vs the fastest measured",
                        f"load average {load[0]:.1f} on {os.cpu_count()} cores while measuring; costs {path}"])
+    if args.smoke:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
