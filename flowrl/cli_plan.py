@@ -20,7 +20,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import torch
 import typer
@@ -53,7 +53,7 @@ class CommandError(Exception):
     """What the command prints as one error line before exiting 1."""
 
 
-def fail(err: Console, message: str) -> None:
+def fail(err: Console, message: str) -> NoReturn:
     err.print(f"[bold red]error[/] {escape(message)}")
     raise typer.Exit(1)
 
@@ -195,7 +195,6 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
     except (GraphError, PlanError, CommandError, MetricsFileError, RuntimeFailure, OSError) as e:
         msg = str(e.problems[0]) if isinstance(e, GraphError) and e.problems else str(e)
         fail(err, msg)
-    raise AssertionError("unreachable")
 
 
 # ---------------------------------------------------------------- search
