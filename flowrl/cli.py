@@ -21,14 +21,13 @@ from pathlib import Path
 from enum import Enum
 from typing import Any, Optional
 
-import typer
-import yaml
-from rich.console import Console
-from rich.table import Table
+from typing import TYPE_CHECKING
 
-from flowrl.graph import GraphError, REGISTRY, load_graph
-from flowrl.graph.checks import GraphProblem
-from flowrl.runtime.traits import traits_of
+import typer
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from flowrl.graph.checks import GraphProblem
 
 app = typer.Typer(
     add_completion=False,
@@ -59,6 +58,8 @@ class VizFormat(str, Enum):
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     """``["trainer.steps=5", "data.batch_size=8"]`` → typed values (parsed as YAML scalars)."""
+    import yaml
+
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, raw = item.partition("=")
@@ -82,6 +83,8 @@ def _escape(text: str) -> str:
 
 
 def _load(ref: str, overrides: dict[str, Any] | None = None):
+    from flowrl.graph import GraphError, load_graph
+
     try:
         return load_graph(ref, overrides=overrides)
     except GraphError as e:
@@ -171,6 +174,7 @@ def plan(
 def _plan(g, backend: str, label: str = ""):
     """The plan the run on ``backend`` would make (what ``run`` calls too), or exit 1 naming why not."""
     from flowrl.runtime.plan import PlanError, make_plan
+    from flowrl.runtime.traits import traits_of
 
     try:
         traits = traits_of(backend)
@@ -312,6 +316,10 @@ def ops(
     name: Optional[str] = typer.Argument(None, help="one operator to describe (e.g. advantage.grpo)"),
 ) -> None:
     """List the registered operators, or describe one: its fields, role, scope and parameters."""
+    from rich.table import Table
+
+    from flowrl.graph import REGISTRY
+
     REGISTRY.load_plugins()
     if name is not None:
         _describe_op(name)
@@ -341,7 +349,9 @@ def ops(
 
 
 def _describe_op(name: str) -> None:
-    from flowrl.graph.registry import ImportPathError, UnknownNameError
+    from rich.table import Table
+
+    from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError
 
     try:
         op = REGISTRY.operator(name)

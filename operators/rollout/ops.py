@@ -33,7 +33,10 @@ SEQUENCE_FIELDS = {
     "rollout.generate", role="actor", scope="row", expands="n", cost=3.0, node_name="generate",
     inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "uid": "object[B]"},
     outputs={**SEQUENCE_FIELDS, "rollout_log_probs": "float32[B, R]", "weight_version": "int64[B]"},
-    params=Generate, aux_outputs=("rollout_log_probs", "weight_version"), optional_inputs=("uid",),
+    params=Generate, optional_inputs=("uid",),
+    # a second generation (ReMax's greedy baseline) is read only for its responses: the full
+    # sequences and log-probs it also writes are by-products, not a wiring mistake
+    aux_outputs=("input_ids", "attention_mask", "position_ids", "rollout_log_probs", "weight_version"),
     val_params={"greedy": True}, dumped=("prompts", "responses", "weight_version"),
 )
 def generate(actor, batch, p: Generate):
