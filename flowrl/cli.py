@@ -284,7 +284,7 @@ def export(
 ) -> None:
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint."""
     from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore
-    from operators.models.export import ExportError, export_hf
+    from operators.models.export import ExportError, export_hf, role_head
 
     try:
         state, meta, where = CheckpointStore(Path(run_dir) / "checkpoints").read_role(role, step)
@@ -292,7 +292,10 @@ def export(
     except (CheckpointError, ExportError, OSError, ValueError) as e:
         err_console.print(f"[bold red]error[/] {_escape(str(e))}")
         raise typer.Exit(1) from None
-    console.print(f"[green]exported[/] {role} to {path} (load it with AutoModelForCausalLM.from_pretrained)")
+    head = role_head(meta["graph"].get("roles") or {}, role)
+    how = ("AutoModelForCausalLM.from_pretrained" if head == "causal_lm"
+           else f"operators.models.load_model(path, head={head!r})")
+    console.print(f"[green]exported[/] {role} to {path} (load it with {how})")
 
 
 @app.callback(invoke_without_command=True)
