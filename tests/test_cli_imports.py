@@ -51,3 +51,22 @@ def test_inspecting_builtin_graphs_imports_no_transformers_or_tensordict():
     assert set(out["codes"].values()) == {0}, out["codes"]
     assert out["after_checks"] == []
     assert sorted(out["after_build"]) == sorted(HEAVY)
+
+
+HELP = """
+import json, sys
+from typer.testing import CliRunner
+from flowrl.cli import app
+code = CliRunner().invoke(app, ["--help"]).exit_code
+print(json.dumps({"code": code, "imported": [m for m in sys.argv[1:] if m in sys.modules]}))
+"""
+
+
+def test_help_imports_no_graph_code():
+    """``flowrl --help`` answers with typer and rich alone (issue 24: under 0.5 s)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    probes = ["flowrl.graph", "networkx", "pydantic", "torch", "yaml"]
+    res = subprocess.run([sys.executable, "-c", HELP, *probes], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"code": 0, "imported": []}
