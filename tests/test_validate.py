@@ -255,6 +255,9 @@ def test_a_yaml_alias_bomb_is_refused_not_expanded(tmp_path):
 
 
 def test_a_recursive_alias_and_deep_nesting_are_refused(tmp_path):
+    loop = graph_file(tmp_path, "description: GRPO on the copy task", "description: &loop [*loop]")
+    res = runner.invoke(app, ["validate", str(loop)], catch_exceptions=False)
+    rejected(res, str(loop), "expand to more than")
     deep = tmp_path / "deep.yaml"
     deep.write_text("name: x\ndescription: " + "[" * 3000 + "]" * 3000 + "\n")
     res = runner.invoke(app, ["validate", str(deep)], catch_exceptions=False)
