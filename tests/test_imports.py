@@ -116,10 +116,14 @@ def test_flowrls_own_graph_module_by_import_path():
     assert res.returncode == 0, res.stderr
 
 
-def test_a_module_that_is_nowhere_is_named():
+def test_a_module_that_is_nowhere_or_raises_is_named(tmp_path):
     res = flowrl("validate", "nosuchmod:g", cwd=ROOT)
     assert res.returncode == 1 and "cannot import module 'nosuchmod'" in res.stderr
-    assert "Traceback" not in res.stderr
+    (tmp_path / "badpkg").mkdir()
+    (tmp_path / "badpkg" / "__init__.py").write_text("raise RuntimeError('boom in init')\n")
+    bad = flowrl("validate", "badpkg.graphs:g", cwd=tmp_path)
+    assert bad.returncode == 1 and "raised RuntimeError: boom in init" in bad.stderr
+    assert "Traceback" not in res.stderr + bad.stderr
 
 
 @pytest.mark.parametrize("ref", ["sub/g.py", "sub/g.py:mine"])

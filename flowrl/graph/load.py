@@ -210,13 +210,15 @@ def _importable_beside(mod_ref: str) -> None:
     the current directory (the ``flowrl`` script, unlike ``python -m``, does not put it on the
     path), and the modules beside the graph's file (as for a YAML graph)."""
     if mod_ref.endswith(".py") or "/" in mod_ref or "\\" in mod_ref:
-        importable(Path(mod_ref).expanduser().resolve().parent)
+        path = Path(mod_ref).expanduser()
+        if path.is_file():
+            importable(path.resolve().parent)
         return
     importable(Path.cwd().resolve())
     try:
-        spec = importlib.util.find_spec(mod_ref)
-    except (ImportError, ValueError):
-        return  # load_module names what is missing
+        spec = importlib.util.find_spec(mod_ref)  # runs the parent package's __init__, which may raise
+    except Exception:  # noqa: BLE001 - load_module imports it again and names what was raised
+        return
     if spec is not None and spec.origin and spec.has_location:
         importable(Path(spec.origin).resolve().parent)
 
