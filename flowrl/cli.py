@@ -6,8 +6,9 @@ Bad input never prints a Python traceback: it prints what is wrong and where,
 and exits 1 (2 for command-line usage errors). Off a terminal (a pipe, a log
 file) nothing is wrapped and no colour codes are written.
 
-Only what a command needs is imported, when it needs it: ``--help`` imports no
-torch, and ``validate``/``viz``/``plan``/``ops`` no Ray (``benchmarks/cli.py``).
+Only what a command needs is imported, when it needs it (hence the imports inside
+the commands): ``--help`` imports typer and rich alone, no graph code, and
+``validate``/``viz``/``plan``/``ops`` no Ray (``benchmarks/cli.py``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,7 @@ import signal
 import sys
 from pathlib import Path
 from enum import Enum
-from typing import Any, Optional
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
 from rich.console import Console
