@@ -6,8 +6,9 @@ Bad input never prints a Python traceback: it prints what is wrong and where,
 and exits 1 (2 for command-line usage errors). Off a terminal (a pipe, a log
 file) nothing is wrapped and no colour codes are written.
 
-Only what a command needs is imported, when it needs it: ``--help`` imports no
-torch, and ``validate``/``viz``/``plan``/``ops`` no Ray (``benchmarks/cli.py``).
+Only what a command needs is imported, when it needs it (hence the imports inside
+the commands): ``--help`` imports typer and rich alone, no graph code, and
+``validate``/``viz``/``plan``/``ops`` no Ray (``benchmarks/cli.py``).
 """
 
 from __future__ import annotations
@@ -19,16 +20,13 @@ import signal
 import sys
 from pathlib import Path
 from enum import Enum
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import typer
-import yaml
 from rich.console import Console
-from rich.table import Table
 
-from flowrl.graph import GraphError, REGISTRY, load_graph
-from flowrl.graph.checks import GraphProblem
-from flowrl.runtime.traits import traits_of
+if TYPE_CHECKING:
+    from flowrl.graph.checks import GraphProblem
 
 app = typer.Typer(
     add_completion=False,
@@ -59,6 +57,8 @@ class VizFormat(str, Enum):
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     """``["trainer.steps=5", "data.batch_size=8"]`` → typed values (parsed as YAML scalars)."""
+    import yaml
+
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, raw = item.partition("=")
@@ -82,6 +82,8 @@ def _escape(text: str) -> str:
 
 
 def _load(ref: str, overrides: dict[str, Any] | None = None):
+    from flowrl.graph import GraphError, load_graph
+
     try:
         return load_graph(ref, overrides=overrides)
     except GraphError as e:
@@ -190,6 +192,7 @@ def plan(
 def _plan(g, backend: str, label: str = ""):
     """The plan the run on ``backend`` would make (what ``run`` calls too), or exit 1 naming why not."""
     from flowrl.runtime.plan import PlanError, make_plan
+    from flowrl.runtime.traits import traits_of
 
     try:
         traits = traits_of(backend)
@@ -314,7 +317,7 @@ def export(
 ) -> None:
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint."""
     from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore
-    from operators.models.export import ExportError, export_hf
+    from operators.models.export import ExportError, export_hf, role_head
 
     try:
         state, meta, where = CheckpointStore(Path(run_dir) / "checkpoints").read_role(role, step)
@@ -322,7 +325,10 @@ def export(
     except (CheckpointError, ExportError, OSError, ValueError) as e:
         err_console.print(f"[bold red]error[/] {_escape(str(e))}")
         raise typer.Exit(1) from None
-    console.print(f"[green]exported[/] {role} to {path} (load it with AutoModelForCausalLM.from_pretrained)")
+    head = role_head(meta["graph"].get("roles") or {}, role)
+    how = ("AutoModelForCausalLM.from_pretrained" if head == "causal_lm"
+           else f"operators.models.load_model(path, head={head!r})")
+    console.print(f"[green]exported[/] {role} to {path} (load it with {how})")
 
 
 @app.callback(invoke_without_command=True)
@@ -346,6 +352,10 @@ def ops(
     name: Optional[str] = typer.Argument(None, help="one operator to describe (e.g. advantage.grpo)"),
 ) -> None:
     """List the registered operators, or describe one: its fields, role, scope and parameters."""
+    from rich.table import Table
+
+    from flowrl.graph import REGISTRY
+
     REGISTRY.load_plugins()
     if name is not None:
         _describe_op(name)
@@ -375,7 +385,9 @@ def ops(
 
 
 def _describe_op(name: str) -> None:
-    from flowrl.graph.registry import ImportPathError, UnknownNameError
+    from rich.table import Table
+
+    from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError
 
     try:
         op = REGISTRY.operator(name)

@@ -6,15 +6,17 @@ The score of a response lands on its last token: ``token_level_scores[B, R]``.
 from __future__ import annotations
 
 from functools import lru_cache
+from pathlib import Path
 
 from pydantic import Field
 
 from flowrl.data.metrics import maximum, minimum
 from flowrl.graph import Params, operator
 from flowrl.graph.checks import ParameterError, graph_check
+from operators.data.dataset import DatasetError, data_sources
 from operators.models import load_tokenizer
-
-from operators.rewards import compute_scores, extra_info_rows, extra_metrics, place_at_last_token, resolve_reward_fn
+from operators.rewards import (auto_reward_fn, compute_scores, extra_info_rows, extra_metrics, place_at_last_token,
+                               resolve_reward_fn)
 
 
 class Rule(Params):
@@ -83,6 +85,35 @@ def _reward_fn_resolves(graph):
         except ValueError as err:  # RewardFnError is a ValueError
             yield ParameterError(str(err), node=name, field="fn", location=graph.locate("nodes", name, "fn"),
                                  fix="fix the name or the import path (the module's directory must be importable)")
+
+
+@graph_check
+def _auto_reward_covers_the_data(graph):
+    """``fn: auto`` picks the reward by each row's ``data_source``: a file whose rows name a source with no
+    built-in rule fails at the first step that scores it."""
+    auto = [name for name, node in graph.nodes.items()
+            if node.op_name == "reward.rule" and node.params is not None and node.params.fn == "auto"]
+    if not auto:
+        return
+    data = graph.config.data.dump()
+    for key in ("source", "val_source"):
+        spec = data.get(key)
+        if not isinstance(spec, str) or spec.startswith("builtin:") or not Path(spec).is_file():
+            continue  # a builtin task is scored by its own rule; a missing file is the data check's
+        try:
+            sources = data_sources(spec)
+        except (DatasetError, OSError, ValueError, KeyError):
+            continue  # the data check names what is wrong with the file
+        for source, row in sources.items():
+            try:
+                auto_reward_fn(source)
+            except ValueError as err:
+                name = auto[0]
+                yield ParameterError(
+                    f"{spec}: row {row}: {err}", node=name, field="fn", location=graph.locate("data", key),
+                    fix=f"set nodes.{name}.fn to a reward for these rows (exact, partial, gsm8k, or "
+                        "pkg.module:compute_score)")
+                break
 
 
 @operator(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import yaml
@@ -152,9 +155,13 @@ def test_plan_and_validate_plan_for_the_backend_the_run_uses():
 
 
 def test_builtin_graphs_validate_without_warnings():
-    for name in ("grpo", "grpo_async", "ppo", "rloo", "reinforce_pp"):
-        res = invoke("validate", name)
-        assert res.exit_code == 0 and "0 warning(s)" in res.output, (name, res.output)
+    from flowrl.graph.load import builtin_graphs
+
+    shipped = sorted(builtin_graphs().values()) + sorted((ROOT / "graphs").glob("*.py"))
+    assert {p.stem for p in shipped} >= {"grpo", "grpo_async", "ppo", "remax", "rloo", "reinforce_pp"}
+    for path in shipped:
+        res = invoke("validate", str(path))
+        assert res.exit_code == 0 and "0 warning(s)" in res.output, (path.name, res.output)
 
 
 def test_version_and_describing_one_operator():
@@ -174,3 +181,78 @@ def test_validate_and_viz_take_python_graph_modules():
     assert res.exit_code == 0 and "ok ppo: 9 nodes" in res.output
     res = invoke("viz", str(ROOT / "graphs" / "grpo.py"), "--format", "dot")
     assert res.exit_code == 0 and '"generate" -> "reward"' in res.output
+
+
+def test_ops_shows_defaults_made_by_a_factory():
+    res = invoke("ops", "advantage.gdpo")
+    assert res.exit_code == 0 and "PydanticUndefined" not in res.output
+    row = next(line for line in res.output.splitlines() if line.split()[:1] == ["reward_keys"])
+    assert row.split()[1:3] == ["list", "[]"]
+    assert "PydanticUndefined" not in invoke("ops").output
+
+
+def piped(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``flowrl ARGS | cat``: stdout and stderr are pipes, no COLUMNS, and a terminal type that invites colour."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "NO_COLOR")}
+    env.update(PYTHONPATH=str(ROOT), TERM="xterm-256color", OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "flowrl.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_viz_piped_writes_whole_lines():
+    res = piped("viz", "ppo")
+    assert res.returncode == 0, res.stderr
+    # the longest edge line of ppo is past 80 columns: written whole, not cut at the pipe's default width
+    edge = next(line for line in res.stdout.splitlines() if line.strip().startswith("generate → update_actor:"))
+    fields = [f.strip() for f in edge.split(":", 1)[1].split(",")]
+    assert fields == ["input_ids", "attention_mask", "position_ids", "responses", "response_mask",
+                      "rollout_log_probs"]
+    assert len(edge) > 80
+
+
+def test_piped_output_has_no_colour_codes(tmp_path):
+    bad = piped("validate", "grpo", "--set", "nodes.generate.n=0")
+    assert bad.returncode == 1 and "error" in bad.stderr
+    run = piped("run", "grpo", "--backend", "local", "--steps", "1", "--out", str(tmp_path / "run"),
+                "--set", "data.batch_size=2", "--set", "nodes.generate.n=2", "--set", "trainer.val_every=0")
+    assert run.returncode == 0, run.stderr
+    for res in (bad, run):
+        assert "\x1b[" not in res.stdout + res.stderr
+
+
+def test_export_of_the_critic_writes_a_value_model(tmp_path):
+    """A critic is a backbone and a value head: export writes both, and load_model(head="value") reads them
+    back to the checkpoint's weights (it used to fail on a causal LM, its message cut at the header)."""
+    import torch
+
+    from flowrl.runtime.checkpoint import CheckpointStore
+    from operators.models import load_model
+
+    res = invoke("run", "ppo", "--steps", "1", "--backend", "local", "--out", str(tmp_path / "run"),
+                 "--set", "data.batch_size=2", "--set", "nodes.generate.n=1", "--set", "nodes.generate.max_new_tokens=4")
+    assert res.exit_code == 0, res.output
+    out = invoke("export", str(tmp_path / "run"), str(tmp_path / "critic"), "--role", "critic")
+    assert out.exit_code == 0, out.output
+    assert "head='value'" in out.output
+    critic, _ = load_model(str(tmp_path / "critic"), head="value")
+    state, _, _ = CheckpointStore(tmp_path / "run" / "checkpoints").read_role("critic", None)
+    for name in ("value_head.weight", "value_head.bias"):
+        assert torch.equal(critic.state_dict()[name], state["model"][name])
+
+
+def test_export_names_the_tensors_that_do_not_fit(tmp_path):
+    import pytest
+
+    from operators.models import load_model
+    from operators.models.export import ExportError, export_hf
+
+    graph = {"roles": {"actor": {"model": "builtin:tiny"}}}
+    weights = load_model("builtin:tiny")[0].state_dict()
+    missing = {k: v for k, v in weights.items() if k != "model.norm.weight"}
+    with pytest.raises(ExportError) as err:
+        export_hf(missing, graph, tmp_path / "a")
+    assert "1 tensor (model.norm.weight) the checkpoint lacks" in str(err.value)
+    wrong = {**weights, "model.norm.weight": weights["model.norm.weight"][:3]}
+    with pytest.raises(ExportError) as err:
+        export_hf(wrong, graph, tmp_path / "b")
+    assert "size mismatch for model.norm.weight" in str(err.value)

@@ -51,3 +51,52 @@ def test_inspecting_builtin_graphs_imports_no_transformers_or_tensordict():
     assert set(out["codes"].values()) == {0}, out["codes"]
     assert out["after_checks"] == []
     assert sorted(out["after_build"]) == sorted(HEAVY)
+
+
+HELP = """
+import json, sys
+from typer.testing import CliRunner
+from flowrl.cli import app
+code = CliRunner().invoke(app, ["--help"]).exit_code
+print(json.dumps({"code": code, "imported": [m for m in sys.argv[1:] if m in sys.modules]}))
+"""
+
+
+def test_help_imports_no_graph_code():
+    """``flowrl --help`` answers with typer and rich alone (issue 24: under 0.5 s)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    probes = ["flowrl.graph", "networkx", "pydantic", "torch", "yaml"]
+    res = subprocess.run([sys.executable, "-c", HELP, *probes], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"code": 0, "imported": []}
+
+
+DISTRIBUTED = """
+import json, sys
+from typer.testing import CliRunner
+from flowrl.cli import app
+
+PROBES = sys.argv[1:]
+code = CliRunner().invoke(app, ["validate", "ppo"]).exit_code
+after_validate = [m for m in PROBES if m in sys.modules]
+
+# saving a role's state is what imports them: the probe can see an import
+from operators.models import load_model
+from operators.models.sharded_checkpoint import ModelState
+ModelState(load_model("builtin:tiny")[0]).state_dict()
+print(json.dumps({"code": code, "after_validate": after_validate,
+                  "after_save": [m for m in PROBES if m in sys.modules]}))
+"""
+
+
+def test_validate_imports_no_torch_distributed_sharding_or_checkpoint():
+    """torch.distributed's FSDP, DTensor and checkpoint modules cost a second of ``validate`` (issue 24)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    probes = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint"]
+    res = subprocess.run([sys.executable, "-c", DISTRIBUTED, *probes], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["code"] == 0 and out["after_validate"] == []
+    assert out["after_save"] == probes

@@ -7,7 +7,10 @@ naming the file, row or key, without a traceback. Nothing here trains or starts 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -182,3 +185,99 @@ def test_a_model_config_that_transformers_refuses(model_dir, tmp_path):
 
 def test_max_new_tokens_the_engine_cannot_allocate():
     rejected(validate("nodes.generate.max_new_tokens=1000000000"), "node 'generate'", "'max_new_tokens'")
+
+
+def test_more_samples_than_the_rollout_can_allocate():
+    # the engine allocates every response's buffers before the first token: a billion samples of each
+    # prompt fails on the allocation; validate says so, naming the node and its parameter
+    line = rejected(validate("nodes.generate.n=1000000000"), "node 'generate'", "field 'n'", "GiB")
+    assert "grpo.yaml:" in line
+    assert validate("nodes.generate.n=64").exit_code == 0
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_a_data_source_without_a_builtin_reward(tmp_path, suffix):
+    # fn: auto picks the rule by data_source; the run fails at the first step that scores row 40
+    rows = [row(i) for i in range(64)]
+    rows[40] = row(40, data_source="myorg/copy")
+    data = write(tmp_path / f"train{suffix}", rows)
+    rejected(validate(f"data.source={data}"), "node 'reward'", f"train{suffix}", "row 40", "'myorg/copy'")
+    assert validate(f"data.source={data}", "nodes.reward.fn=exact").exit_code == 0
+    assert validate(f"data.val_source={data}", "nodes.reward.fn=partial").exit_code == 0
+    rejected(validate(f"data.val_source={data}"), "node 'reward'", "row 40")
+
+
+# ---------------------------------------------------------------- what YAML itself would hide
+
+# written here, not read from graphs/: the lines the tests name must not move when the default job does
+GRAPH = """name: g
+description: GRPO on the copy task
+roles:
+  actor: {model: builtin:tiny, optim: {lr: 5.0e-4}}
+pools:
+  train: {workers: 1, cpus: 1, roles: [actor]}
+data: {source: builtin:copy, batch_size: 32}
+nodes:
+  generate:     {op: rollout.generate, n: 8, max_new_tokens: 8}
+  reward:       {op: reward.rule}
+  advantage:    {op: advantage.grpo, inputs: {token_level_rewards: token_level_scores}}
+  update_actor: {op: actor.update, inputs: {old_log_probs: rollout_log_probs}}
+trainer: {steps: 300}
+"""
+
+
+def graph_file(tmp_path: Path, old: str = "", new: str = "", head: str = "") -> Path:
+    assert old in GRAPH
+    path = tmp_path / "g.yaml"
+    path.write_text(head + GRAPH.replace(old, new, 1))
+    return path
+
+
+def validate_file(path: Path, timeout: float = 120):
+    """``flowrl validate path`` in its own process: a graph that expands without bound must not hang the
+    test run (the timeout is a guard against a hang, not a measure of speed)."""
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+    return subprocess.run([sys.executable, "-m", "flowrl.cli", "validate", str(path)], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+
+
+def test_a_yaml_alias_bomb_is_refused_not_expanded(tmp_path):
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
+    bomb = graph_file(tmp_path, "description: GRPO on the copy task", "description: *a8",
+                      head="x-aliases:\n" + "".join(f"  {line}\n" for line in levels))
+    assert len(bomb.read_bytes()) < 1200
+    res = validate_file(bomb)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "MemoryError" not in res.stderr and "Traceback" not in res.stderr
+    assert f"{bomb}:1" in res.stderr and "expand to more than" in res.stderr
+
+
+def test_a_recursive_alias_and_deep_nesting_are_refused(tmp_path):
+    loop = graph_file(tmp_path, "description: GRPO on the copy task", "description: &loop [*loop]")
+    res = runner.invoke(app, ["validate", str(loop)], catch_exceptions=False)
+    rejected(res, str(loop), "expand to more than")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("name: x\ndescription: " + "[" * 3000 + "]" * 3000 + "\n")
+    res = runner.invoke(app, ["validate", str(deep)], catch_exceptions=False)
+    assert res.exit_code == 1 and "nested too deeply" in res.output
+
+
+def test_a_node_defined_twice_is_refused_naming_both_lines(tmp_path):
+    twice = graph_file(tmp_path, "  reward:       {op: reward.rule}\n",
+                       "  reward:       {op: reward.rule}\n  reward: {op: reward.rule, fn: exact}\n")
+    first, again = 10, 11
+    res = runner.invoke(app, ["validate", str(twice)], catch_exceptions=False)
+    line = rejected(res, f"{twice}:{again}", "node 'reward'", f"lines {first} and {again}")
+    assert "defined twice" in line
+
+
+def test_a_key_written_twice_is_refused(tmp_path):
+    twice = graph_file(tmp_path, "trainer: {steps: 300}", "trainer: {steps: 5, steps: 300}")
+    res = runner.invoke(app, ["validate", str(twice)], catch_exceptions=False)
+    rejected(res, f"{twice}:13", "'trainer.steps'", "twice")
+    # a key given again beside a merged mapping (<<) overrides it, as YAML means: not written twice
+    merged = graph_file(tmp_path, "optim: {lr: 5.0e-4}", "optim: {<<: {lr: 1.0e-3}, lr: 5.0e-4}")
+    res = runner.invoke(app, ["validate", str(merged)], catch_exceptions=False)
+    assert res.exit_code == 0, res.output

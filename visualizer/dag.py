@@ -225,9 +225,12 @@ class DagView:
         self.durations = durations
         self.colors = pool_colors(graph)
         self.layers = graph.layers()
+        self.unwrapped = False
 
     # -- rich protocol
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        # off a terminal (soft wrap: no wrapping, no cropping) a line of text is written whole
+        self.unwrapped = bool(options.no_wrap)
         width = min(self.width or options.max_width, options.max_width)
         body = self.compact_view(width) if self.uses_compact(width) else self.boxed_view(width)
         yield from console.render(body, options.update(width=width, max_width=width))
@@ -297,8 +300,15 @@ class DagView:
             line.append(" ⇢ ")
             line.append_text(Text(", ").join(self._name(d) for d in dsts))
             line.append(f"  (next step, {role} weights, staleness {staleness})", style="italic")
-            lines.append(_indented(line))
+            lines.append(self._indented(line))
         return Group(*lines)
+
+    def _indented(self, text: Text, indent: int = 2) -> RenderableType:
+        """``text`` indented, its wrapped lines hanging at the same indent; one whole line when unwrapped
+        (a padded block is cropped to the width, and a pipe has no width)."""
+        if self.unwrapped:
+            return Text(" " * indent).append_text(text)
+        return Padding(text, (0, 0, 0, indent), expand=False)
 
     # -- boxed view
     def _box(self, node: str) -> _Box:
@@ -327,7 +337,7 @@ class DagView:
                 line.append(": " + ", ".join(fields))
             if kind != "data":
                 line.append(f" ({kind})", style="italic")
-            lines.append(_indented(line))
+            lines.append(self._indented(line))
         return lines
 
     def _rows(self, layer: list[str], width: int) -> list[list[_Box]]:
@@ -437,6 +447,3 @@ def _seconds(s: float) -> str:
 
 
 
-def _indented(text: Text, indent: int = 2) -> RenderableType:
-    """``text`` indented, its wrapped lines hanging at the same indent."""
-    return Padding(text, (0, 0, 0, indent), expand=False)

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -82,6 +83,10 @@ def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> Grap
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)
+    except RecursionError:
+        raise GraphError([GraphSyntaxError(
+            "its values are nested too deeply to read", location=Location(shown),
+            fix="a graph file nests a few levels; look for a run of unclosed [ or {")]) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
@@ -91,6 +96,9 @@ def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> Grap
             f"malformed YAML{col}: {problem}", location=Location(shown, line),
             fix="check indentation, colons and brackets on that line",
         )]) from None
+    problems = _structure_problems(node, shown)
+    if problems:
+        raise GraphError(problems)
     if not isinstance(data, dict):
         raise GraphError([SchemaError("a graph file must be a mapping with name, roles, pools, data, nodes, ...",
                                       location=Location(shown, 1))])
@@ -98,6 +106,76 @@ def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> Grap
     config = _validated(data, overrides, lines, shown)
     importable(path.resolve().parent)
     return Graph.from_config(config, source_file=shown, lines=lines)
+
+
+#: the most values a graph file may hold once its aliases are expanded: a real graph holds a few
+#: hundred; a kilobyte of nested aliases (a "billion laughs") expands past any memory
+MAX_EXPANDED_VALUES = 100_000
+_MERGE = "tag:yaml.org,2002:merge"
+
+
+def _structure_problems(root: yaml.Node | None, shown: str) -> list[GraphProblem]:
+    """What PyYAML accepts but a graph must not hold: aliases that expand past
+    :data:`MAX_EXPANDED_VALUES`, and a key written twice in one mapping (YAML keeps the last
+    silently, so a node defined twice would lose its first definition without a word)."""
+    if root is None:
+        return []
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node, open_: frozenset[int]) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        if id(n) in open_:
+            return MAX_EXPANDED_VALUES + 1  # an alias that contains itself expands forever
+        children = ([x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode)
+                    else n.value if isinstance(n, yaml.SequenceNode) else [])
+        total = 1
+        for child in children:
+            total += size(child, open_ | {id(n)})
+            if total > MAX_EXPANDED_VALUES:
+                break
+        sizes[id(n)] = total
+        return total
+
+    if size(root, frozenset()) > MAX_EXPANDED_VALUES:
+        return [GraphSyntaxError(
+            f"its aliases (*name) expand to more than {MAX_EXPANDED_VALUES:,} values",
+            location=Location(shown, root.start_mark.line + 1),
+            fix="write the repeated values out, or alias each one once; a graph file needs no nested aliases")]
+    problems: list[GraphProblem] = []
+    seen: set[int] = set()
+
+    def walk(n: yaml.Node, path: tuple[Any, ...]) -> None:
+        if id(n) in seen:  # an aliased node: its keys were checked where it was defined
+            return
+        seen.add(id(n))
+        if isinstance(n, yaml.SequenceNode):
+            for i, v in enumerate(n.value):
+                walk(v, path + (i,))
+        if not isinstance(n, yaml.MappingNode):
+            return
+        first: dict[Any, int] = {}
+        for k, v in n.value:
+            if isinstance(k, yaml.ScalarNode) and k.tag != _MERGE:
+                line = k.start_mark.line + 1
+                if k.value in first:
+                    problems.append(_twice(path, k.value, first[k.value], line, shown))
+                else:
+                    first[k.value] = line
+            walk(v, path + (getattr(k, "value", None),))
+
+    walk(root, ())
+    return problems
+
+
+def _twice(path: tuple[Any, ...], key: Any, first: int, again: int, shown: str) -> GraphProblem:
+    if path == ("nodes",):
+        return SchemaError(f"node {key!r} is defined twice (lines {first} and {again}); YAML would keep only "
+                           "the second", node=str(key), location=Location(shown, again),
+                           fix="give each node its own name, or delete one definition")
+    where = ".".join(str(p) for p in (*path, key))
+    return SchemaError(f"key {where!r} is written twice (lines {first} and {again}); YAML would keep only "
+                       "the second", location=Location(shown, again), fix="delete one of them")
 
 
 def _validated(data: dict[str, Any], overrides: dict[str, Any] | None, lines: dict[tuple[Any, ...], int],
@@ -127,11 +205,30 @@ def importable(directory: Path) -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join([*parts, entry])
 
 
+def _importable_beside(mod_ref: str) -> None:
+    """Resolve a graph module as ``python`` does, here and in every worker: ``mod:graph`` from
+    the current directory (the ``flowrl`` script, unlike ``python -m``, does not put it on the
+    path), and the modules beside the graph's file (as for a YAML graph)."""
+    if mod_ref.endswith(".py") or "/" in mod_ref or "\\" in mod_ref:
+        path = Path(mod_ref).expanduser()
+        if path.is_file():
+            importable(path.resolve().parent)
+        return
+    importable(Path.cwd().resolve())
+    try:
+        spec = importlib.util.find_spec(mod_ref)  # runs the parent package's __init__, which may raise
+    except Exception:  # noqa: BLE001 - load_module imports it again and names what was raised
+        return
+    if spec is not None and spec.origin and spec.has_location:
+        importable(Path(spec.origin).resolve().parent)
+
+
 def load_python(ref: str, overrides: dict[str, Any] | None = None) -> Graph:
     """The :class:`Graph` a Python file or module defines (``file.py`` or ``file.py:name``),
     with ``overrides`` (``--set``) applied to its config."""
     mod_ref, _, attr = ref.partition(":") if not ref.endswith(".py") else (ref, "", "")
     try:
+        _importable_beside(mod_ref)
         module = load_module(mod_ref)
     except ImportPathError as e:
         raise GraphError([GraphSyntaxError(str(e), location=Location(mod_ref))]) from None

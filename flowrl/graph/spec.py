@@ -119,7 +119,7 @@ class OperatorSpec:
         """``(name, type, default, description)`` for each parameter (for docs and errors)."""
         rows = []
         for pname, info in self.params.model_fields.items():
-            default = "required" if info.is_required() else repr(info.default)
+            default = "required" if info.is_required() else repr(info.get_default(call_default_factory=True))
             ann = getattr(info.annotation, "__name__", str(info.annotation))
             rows.append((pname, ann, default, info.description or ""))
         return rows

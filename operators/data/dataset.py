@@ -178,6 +178,22 @@ def inspect_file(path: str | Path, sample: int = SAMPLE_ROWS) -> tuple[int, list
     return len(rows), rows[:sample]
 
 
+def data_sources(path: str | Path) -> dict[str, int]:
+    """Each distinct ``data_source`` of a dataset file, with the first row that has it (a parquet file's
+    one column is read, not its rows): what a reward chosen by ``data_source`` will be asked to score."""
+    path = Path(path)
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        values = pq.read_table(path, columns=["data_source"]).column(0).to_pylist()
+    else:
+        values = [row.get("data_source") for row in read_rows(path)]
+    first: dict[str, int] = {}
+    for i, value in enumerate(values):
+        first.setdefault(str(value), i)
+    return first
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a ``.parquet`` or ``.jsonl`` file as dicts, after checking the required columns.
 

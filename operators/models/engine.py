@@ -32,13 +32,11 @@ import contextlib
 from typing import Any, Callable, ClassVar, Iterator
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from flowrl.data.dispatch import TASK_ROWS
 from flowrl.data.metrics import MAX, MEAN, MIN, SUM, Metric, Reduction, mean
 from operators.models.data_parallel import LossNorm, data_parallel_forward, pass_count
-from operators.models.fsdp import fsdp_units, full_state_dict, shard_model, state_bytes
+from operators.models.fsdp import fsdp_units, full_state_dict, is_dtensor, shard_model, state_bytes
 from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
 from operators.models.optim import OptimConfig, build_optimizer, clip_grad_norm
 from operators.models.schedule import update_schedule
@@ -229,7 +227,7 @@ class TrainEngine:
         the embeddings)."""
         with self.group.guard("weights for the rollout engine"):
             for name, tensor in self.model.state_dict(keep_vars=True).items():
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                full = tensor.full_tensor() if is_dtensor(tensor) else tensor
                 yield name, full.detach()
 
     def held_bytes(self) -> dict[str, int]:
@@ -324,13 +322,15 @@ def _per_step(metrics: dict[str, float]) -> dict[str, float]:
 
 def _local_part(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's local tensor of a (possibly sharded) tensor."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``full``, laid out as the (sharded) ``target``; no communication."""
-    if not isinstance(target, DTensor):
+    if not is_dtensor(target):
         return full
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
     shape, offset = compute_local_shape_and_global_offset(full.shape, target.device_mesh, target.placements)
     return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 

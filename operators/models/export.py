@@ -80,10 +80,43 @@ def export_hf(weights: dict[str, torch.Tensor], graph: dict[str, Any], out_dir: 
     source = cfg.get("from")
     spec_cfg = roles.get(source, cfg) if source else cfg
     spec, dtype = spec_cfg.get("model", "builtin:tiny"), spec_cfg.get("dtype", "float32")
-    model, tokenizer = load_model(spec, dtype=dtype)
+    model, tokenizer = load_model(spec, head=role_head(roles, role), dtype=dtype)
     try:
-        model.load_state_dict(StateDictAdapter(model).to_hf(weights), strict=True)
-    except RuntimeError as err:
+        fit = model.load_state_dict(StateDictAdapter(model).to_hf(weights), strict=False)
+    except RuntimeError as err:  # a tensor of another shape: torch lists each one below its header line
+        details = [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
         raise ExportError(f"{where}: the weights of role {role!r} do not fit model {spec!r}: "
-                          f"{str(err).splitlines()[0]}") from err
+                          f"{_some(details, 'mismatch')}") from None
+    if fit.missing_keys or fit.unexpected_keys:
+        parts = []
+        if fit.missing_keys:
+            parts.append(f"the model has {_some(fit.missing_keys, 'tensor')} the checkpoint lacks")
+        if fit.unexpected_keys:
+            parts.append(f"the checkpoint has {_some(fit.unexpected_keys, 'tensor')} the model lacks")
+        raise ExportError(f"{where}: the weights of role {role!r} do not fit model {spec!r}: {'; '.join(parts)}")
     return save_model(model, with_training_bos(tokenizer), out_dir)
+
+
+#: the model head each role kind trains (``load_model``'s ``head``); any other kind is a causal LM
+HEADS = {"critic": "value", "reward_model": "reward"}
+
+
+def role_head(roles: dict[str, Any], role: str) -> str:
+    """The head of ``role``'s model: its ``kind``, else the kind of the role it derives from, else its name."""
+    seen: set[str] = set()
+    name = role
+    while name in roles and name not in seen:
+        seen.add(name)
+        cfg = roles[name]
+        if cfg.get("kind"):
+            return HEADS.get(cfg["kind"], "causal_lm")
+        if not cfg.get("from"):
+            break
+        name = cfg["from"]
+    return HEADS.get(name, "causal_lm")
+
+
+def _some(items: list[str], what: str, shown: int = 3) -> str:
+    """``"2 tensors (a, b)"``, naming at most ``shown`` of them."""
+    more = f", and {len(items) - shown} more" if len(items) > shown else ""
+    return f"{len(items)} {what}{'s' if len(items) != 1 else ''} ({', '.join(items[:shown])}{more})"

@@ -26,14 +26,18 @@ Example (on every rank of a 2-worker pool)::
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Protocol
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+
+# torch.distributed's FSDP, DTensor and checkpoint modules take a second or more to import:
+# imported where a model is sharded or its state gathered, never to declare operators
+# (``flowrl validate``) or to run a single process
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 
 class Group(Protocol):
@@ -112,6 +116,8 @@ def build_sharded(build: Callable[[], torch.nn.Module], group: Group, *,
     _fully_shard(model, group, reshard_after_forward)
     if group.rank != 0:
         model.to_empty(device=_device(group))
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
     with group.guard("initial weights from rank 0"):
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True,
                                                                    broadcast_from_rank0=True))
@@ -129,6 +135,8 @@ def _device(group: Group) -> torch.device:
 
 
 def _fully_shard(model: torch.nn.Module, group: Group, reshard_after_forward: bool) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=group.mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=group.mesh, reshard_after_forward=reshard_after_forward)
@@ -140,7 +148,16 @@ def _fully_shard(model: torch.nn.Module, group: Group, reshard_after_forward: bo
 
 def fsdp_units(model: torch.nn.Module) -> list[FSDPModule]:
     """The FSDP units of ``model``, root last (empty when it is not sharded)."""
-    return [m for m in model.modules() if isinstance(m, FSDPModule)][::-1]
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # whatever sharded the model imported it
+    if fsdp is None:
+        return []
+    return [m for m in model.modules() if isinstance(m, fsdp.FSDPModule)][::-1]
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is a DTensor (one rank's shard); no DTensor exists until its module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(tensor, module.DTensor)
 
 
 def full_state_dict(model: torch.nn.Module, group: Group) -> dict[str, torch.Tensor] | None:
@@ -152,6 +169,8 @@ def full_state_dict(model: torch.nn.Module, group: Group) -> dict[str, torch.Ten
     """
     if group.world_size == 1 or not fsdp_units(model):
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     with group.guard("gather full weights"):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if group.rank != 0:
@@ -229,7 +248,7 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
 def _bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
+        local = t.to_local() if is_dtensor(t) else t
         if id(t) in seen:
             continue
         seen.add(id(t))

@@ -22,9 +22,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from operators.models.fsdp import tied_parameters
+
+# torch.distributed.checkpoint (half a second to import) is imported when a state is saved or
+# loaded, not when a role is declared (``flowrl validate``)
 
 
 class ModelState:
@@ -36,6 +38,8 @@ class ModelState:
     def state_dict(self) -> dict[str, Any]:
         """``{"model": {name: tensor}}``, plus the optimizer's ``state`` (per parameter name) and
         ``param_groups`` and whether it has stepped yet."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
         if self.optimizer is None:
             return {"model": self._once(get_model_state_dict(self.model))}
         stepped = bool(self.optimizer.state)
@@ -47,6 +51,8 @@ class ModelState:
         return {"model": self._once(model_sd), "optimizer": optim_sd, "stepped": stepped}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
         model_sd = dict(state["model"])
         for first, *aliases in tied_parameters(self.model):
             model_sd.update({alias: model_sd[first] for alias in aliases if first in model_sd})

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import os
+
 import torch
 from pydantic import Field
 
 from flowrl.data.metrics import maximum
 from flowrl.graph import Params, operator
+from flowrl.graph.checks import ParameterError, graph_check
 from operators.rollout.base import SamplingParams
 
 
@@ -33,7 +37,10 @@ SEQUENCE_FIELDS = {
     "rollout.generate", role="actor", scope="row", expands="n", cost=3.0, node_name="generate",
     inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "uid": "object[B]"},
     outputs={**SEQUENCE_FIELDS, "rollout_log_probs": "float32[B, R]", "weight_version": "int64[B]"},
-    params=Generate, aux_outputs=("rollout_log_probs", "weight_version"), optional_inputs=("uid",),
+    params=Generate, optional_inputs=("uid",),
+    # a second generation (ReMax's greedy baseline) is read only for its responses: the full
+    # sequences and log-probs it also writes are by-products, not a wiring mistake
+    aux_outputs=("input_ids", "attention_mask", "position_ids", "rollout_log_probs", "weight_version"),
     val_params={"greedy": True}, dumped=("prompts", "responses", "weight_version"),
 )
 def generate(actor, batch, p: Generate):
@@ -54,6 +61,46 @@ def generate(actor, batch, p: Generate):
          "weight_version": version},
         metrics,
     )
+
+
+#: bytes per response token an engine allocates for the whole batch before the first token:
+#: token ids and the mask (int64) and the log-prob (float32)
+RESPONSE_BYTES = 8 + 8 + 4
+
+
+def machine_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@graph_check
+def _rollout_fits_in_memory(graph):
+    """Samples per prompt (``n``) × prompts × ``max_new_tokens`` past what a worker can allocate: the run's
+    engine asks for its response buffers up front and fails on the allocation (or is killed for memory)."""
+    memory = machine_memory()
+    if memory is None:
+        return
+    for name, node in graph.nodes.items():
+        if node.op is None or node.params is None or not node.op.expands:
+            continue
+        n = getattr(node.params, node.op.expands, None)
+        max_new = getattr(node.params, "max_new_tokens", None)
+        if not isinstance(n, int) or not isinstance(max_new, int):
+            continue
+        pool = graph.pool_of(name)
+        workers = graph.config.pools[pool].workers if pool in graph.config.pools else 1
+        rows = math.ceil(graph.config.data.batch_size * n / workers)
+        need = rows * max_new * RESPONSE_BYTES
+        if need > memory:
+            yield ParameterError(
+                f"{node.op.expands}={n:,} samples of each of {graph.config.data.batch_size} prompts is "
+                f"{rows:,} responses per worker of up to {max_new:,} tokens: their buffers alone take "
+                f"{need / 2**30:,.0f} GiB, more than this machine's {memory / 2**30:,.0f} GiB",
+                node=name, field=node.op.expands, location=graph.locate("nodes", name, node.op.expands),
+                fix=f"lower {node.op.expands}, max_new_tokens or data.batch_size, or add workers to pool {pool!r}")
 
 
 def unshard_metrics(actor) -> dict[str, float]:
