@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: keys of a node that are not operator parameters
-NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost")
+NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost", "on_error")
 
 
 class _Strict(BaseModel):
@@ -89,6 +89,23 @@ class DataConfig(BaseModel):
         return {"source": self.source, "batch_size": self.batch_size, **self.settings}
 
 
+class OnErrorConfig(_Strict):
+    """What a node does when its operator raises: ``retries`` more attempts on the same rows,
+    ``backoff_s`` before the first (doubling after each), then ``then``: ``fail`` the step
+    (the default), or ``drop_group``: leave out of this step every group (the rows of one
+    prompt: one ``uid``) the operator still fails on, and go on with the complete groups."""
+
+    retries: int = Field(0, ge=0, le=100)
+    backoff_s: float = Field(0.0, ge=0, le=3600)
+    then: Literal["fail", "drop_group"] = "fail"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        # ``on_error: drop_group`` reads as ``on_error: {then: drop_group}``
+        return {"then": v} if isinstance(v, str) else v
+
+
 class ScheduleConfig(_Strict):
     """How the step runs: micro-batches for streaming, the staleness bound of the
     weight edge (one number, or one per role), and the per-pool order policy."""
@@ -132,7 +149,7 @@ class TrainerConfig(_Strict):
 class NodeConfig(BaseModel):
     """One node: ``op`` (a registered name or ``module:function``), an optional
     ``role``, field renames, explicit ``after`` dependencies, a ``timeout_s``,
-    and the operator's parameters as the remaining keys."""
+    an ``on_error`` policy, and the operator's parameters as the remaining keys."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -143,6 +160,7 @@ class NodeConfig(BaseModel):
     after: list[str] = Field(default_factory=list)
     timeout_s: float | None = Field(None, gt=0)
     cost: float | None = Field(None, gt=0)
+    on_error: OnErrorConfig | None = None
 
     @property
     def params(self) -> dict[str, Any]:
@@ -156,6 +174,8 @@ class NodeConfig(BaseModel):
         for key in ("inputs", "outputs", "after"):
             if getattr(self, key):
                 out[key] = getattr(self, key)
+        if self.on_error is not None:
+            out["on_error"] = self.on_error.model_dump()
         out.update(self.params)
         return out
 

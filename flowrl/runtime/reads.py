@@ -20,20 +20,26 @@ Example::
 from __future__ import annotations
 
 import functools
+
+import numpy as np
 from typing import Any, Iterable
 
 from flowrl.data import DataProto, DataProtoFuture
-from flowrl.data.dispatch import concat_rows
+from flowrl.data.dispatch import DROPPED, concat_rows
 from flowrl.data.expand import take_rows
 from flowrl.graph import SOURCE
 from flowrl.runtime.plan import Plan, Read, Task, TaskKey
 
 
 def union_columns(parts: list[DataProto]) -> DataProto:
-    """The reads of one task side by side: one batch with every read's columns."""
+    """The reads of one task side by side: one batch with every read's columns; a row
+    dropped in any read (``on_error: drop_group``) is dropped in the union."""
+    marks = [p.non_tensor_batch.pop(DROPPED) for p in parts if DROPPED in p.non_tensor_batch]
     out = parts[0]
     for p in parts[1:]:
         out = out.union(p)
+    if marks:
+        out.non_tensor_batch[DROPPED] = np.logical_or.reduce([np.asarray(m, dtype=bool) for m in marks])
     return out
 
 

@@ -36,9 +36,11 @@ from flowrl.data.dispatch import get_mode
 from flowrl.graph import Graph
 from flowrl.runtime.backends import Backend, describe_death, make_backend
 from flowrl.runtime.errors import NodeError, RuntimeFailure, WorkerDiedError
+from flowrl.runtime.faults import Fault, fault_from_env
 from flowrl.runtime.plan import Plan, Task, make_plan
 from flowrl.runtime.reads import fetched, task_input
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
+from flowrl.runtime.rowspace import input_space
 from flowrl.runtime.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
 from flowrl.runtime.watchdog import check_timeouts
@@ -110,7 +112,8 @@ class Runtime:
     def start(self) -> "Runtime":
         if self._started:
             return self
-        nodes = {p.kind: _entries(p.graph) for p in self.plan.runs()}
+        fault = fault_from_env()
+        nodes = {p.kind: _entries(p, fault) for p in self.plan.runs()}
         # no idle driver process when every node runs in a pool
         self.backend.start(self.plan.pools, nodes, self.graph.config.trainer.seed, driver=self.plan.driver)
         self._started = True
@@ -345,12 +348,15 @@ class Runtime:
         self.close()
 
 
-def _entries(graph: Graph) -> dict[str, NodeEntry]:
-    """What workers need to run each node of ``graph``."""
+def _entries(plan: Plan, fault: Fault | None = None) -> dict[str, NodeEntry]:
+    """What workers need to run each node of ``plan``'s graph (``fault``: the fault switch)."""
+    graph = plan.graph
     return {
         n: NodeEntry(node.op, node.params, node.role,
-                              inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
-                              outputs=dict(node.config.outputs), name=n)
+                     inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
+                     outputs=dict(node.config.outputs), name=n, on_error=node.config.on_error,
+                     group=input_space(graph, plan.spaces, n).factor,
+                     fault=fault if fault is not None and fault.node == n else None)
         for n, node in graph.nodes.items()
     }
 
