@@ -350,6 +350,18 @@ def _check_run_settings(graph: Graph, add) -> None:
                 fix="use drop_group on the row- or group-scoped node that fails (a reward, a tool, an environment); "
                     "here use on_error: {retries: N} or fail",
             ))
+    updated = {node.role for node in graph.nodes.values() if node.updates_role}
+    for pool, cfg in graph.config.pools.items():
+        trained = sorted(set(cfg.roles) & updated)
+        if cfg.max_restarts and (trained or cfg.workers > 1):
+            why = (f"its role {trained[0]!r} is updated: a replaced worker would have lost its trained state" if trained
+                   else f"its {cfg.workers} workers form one process group, which a replaced rank cannot rejoin")
+            add(SchemaError(
+                f"pools.{pool}.max_restarts: {cfg.max_restarts}, but {why}",
+                location=graph.locate("pools", pool, "max_restarts"), field="max_restarts",
+                fix="set max_restarts on a one-worker pool that only generates or scores (its weights come from "
+                    "another pool); resume a training pool from its last checkpoint (flowrl run --resume)",
+            ))
     if graph.config.trainer.val_every and graph.scorer() is None:
         add(SchemaError(
             "trainer.val_every asks for validation, but no node scores responses (no node's operator "

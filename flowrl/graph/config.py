@@ -70,6 +70,8 @@ class PoolConfig(_Strict):
     backend: str = Field("cpu:gloo,cuda:nccl", description="torch.distributed backend per device type, "
                          "for a pool of more than one worker")
     timeout_s: float = Field(300.0, gt=0, description="how long one collective of the pool's group may wait")
+    max_restarts: int = Field(0, ge=0, le=1000, description="dead workers replaced during the run (a pool of one "
+                              "worker whose roles no node updates: one that generates or scores)")
 
 
 class DataConfig(BaseModel):
@@ -114,7 +116,9 @@ class ScheduleConfig(_Strict):
     staleness: int | dict[str, int] = 0
     order: Literal["critical_path", "declared"] = Field(
         "critical_path", description="per-pool order: list-scheduled critical path first, or as written")
-    timeout_s: float | None = Field(None, gt=0)
+    timeout_s: float | None = Field(3600.0, gt=0, description="how long a node's task may run when the node sets "
+                                     "no timeout_s of its own (null: no limit); past it the step fails with "
+                                     "the stuck worker's stack")
     colocate_light_nodes: bool = Field(
         True, description="run stateless nodes whose neighbours all share one pool in that pool's process")
 

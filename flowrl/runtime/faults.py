@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+import torch
 
 from flowrl.data import DataProto
 from flowrl.data.dispatch import DROPPED, TASK_ROWS
@@ -226,8 +227,6 @@ def _keep(batch: DataProto, kept: np.ndarray, dropped: np.ndarray) -> DataProto:
 def _scatter(out: DataProto, kept: np.ndarray, rows: int, factor: int) -> DataProto:
     """``out`` (the kept rows' outputs) back at their places among ``rows`` input rows; the other
     rows hold zeros (tensors) or None, and are marked dropped by the caller."""
-    import torch
-
     places = (np.repeat(kept, factor) * factor + np.tile(np.arange(factor), len(kept))).astype(np.int64)
     n = rows * factor
     tensors = {}

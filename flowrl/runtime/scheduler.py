@@ -40,6 +40,7 @@ from flowrl.runtime.faults import Fault, fault_from_env
 from flowrl.runtime.plan import Plan, Task, make_plan
 from flowrl.runtime.reads import fetched, task_input
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
+from flowrl.runtime.restarts import Restarts, replace_dead
 from flowrl.runtime.rowspace import input_space
 from flowrl.runtime.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
@@ -67,6 +68,7 @@ class _Step:
     outputs: dict[TaskKey, DataProtoFuture] = field(default_factory=dict)
     reports: dict[Any, tuple[TaskKey | None, str, int]] = field(default_factory=dict)  # handle → (task, pool, rank)
     first_report: dict[TaskKey, Any] = field(default_factory=dict)  # a task's report on its first rank
+    restarts: int = 0  # workers replaced while this step ran (faults/restarts)
 
 
 class Runtime:
@@ -105,6 +107,8 @@ class Runtime:
         self._worker_free: dict[tuple[str, int], float] = {}  # when each worker last finished a task
         self._stop = False
         self._started = False
+        self._in_flight: deque[_Step] = deque()  # the steps submitted behind the one being finished
+        self.restarts = Restarts({p: cfg.max_restarts for p, cfg in graph.config.pools.items()})
         self._stage = stage or (lambda t: Path(tempfile.gettempdir()) / f"flowrl-shards-{os.getpid()}-{id(self)}"
                                 / f"step_{t + 1:08d}")
 
@@ -145,6 +149,7 @@ class Runtime:
         self._stop = False
         source = batches if hasattr(batches, "__next__") else iter(batches)
         in_flight: deque[_Step] = deque()
+        self._in_flight = in_flight
         t = start_step
         end = start_step + steps
         try:
@@ -228,6 +233,7 @@ class Runtime:
     # ------------------------------------------------------------------ waiting
     def _finish(self, st: _Step) -> StepResult:
         pending = dict(st.reports)
+        received: set[Any] = set()
         ended: dict[TaskKey, float] = {}
         infos: list[Info] = []
         label = self.backend.worker_label
@@ -237,10 +243,14 @@ class Runtime:
             for h, outcome in done:
                 key, pool, rank = pending.pop(h)
                 if isinstance(outcome, BaseException):
+                    if self._replaced(st, outcome):  # the lost tasks run again on a new worker
+                        pending = {h: v for h, v in st.reports.items() if h not in received}
+                        break
                     if self.on_progress is not None and key is not None and training:
                         self.on_progress(st.step, {**node_states(st.plan, ended), key[0]: "failed"})
                     raise self._failure(outcome, st.step, key, pool, rank) from None
                 info: Info = outcome
+                received.add(h)
                 if key is not None:
                     ended[key] = max(ended.get(key, 0.0), info.end)
                     infos.append(info)
@@ -248,13 +258,16 @@ class Runtime:
                 self.timeline.add(info)
             if done and self.on_progress is not None and training:
                 self.on_progress(st.step, node_states(st.plan, ended))
-            check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free, label)
+            check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free, label,
+                           self.backend.stacks)
         if training:
             self.versions.finished(st.step)
         metrics, makespan, bound = step_metrics(st.plan, infos, st.submitted_at)
         if training:
             extra, self._last_step_end = pipeline_metrics(st.plan, infos, self._last_step_end)
             metrics.update(extra)
+        if st.restarts:
+            metrics["faults/restarts"] = float(st.restarts)
         data = self._collect(st) if self.fetch and training else None
         result = StepResult(st.step, metrics, infos, makespan, bound, data)
         if st.snapshot is not None:
@@ -263,6 +276,13 @@ class Runtime:
             val = self._finish(st.validation)
             result.val_metrics = {f"val/{k}": v for k, v in val.metrics.items() if not k.startswith("scheduler/")}
         return result
+
+    def _replaced(self, st: _Step, exc: BaseException) -> bool:
+        if not any(self.restarts.allowed.values()):
+            return False
+        cause = describe_death(exc) or describe_death(getattr(exc, "cause", None) or exc) or type(exc).__name__
+        return replace_dead(self.backend, self.restarts, self.versions.syncs, [st, *self._in_flight],
+                            self._submit_task, cause)
 
     def _failure(self, exc: BaseException, step: int, key: TaskKey | None, pool: str, rank: int) -> RuntimeFailure:
         cause = getattr(exc, "cause", None)

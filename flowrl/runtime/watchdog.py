@@ -4,9 +4,14 @@ A task is timed from when its inputs were done and its worker was free for it
 (not from when it was queued), so a slow upstream node or a long queue is never
 blamed on the task behind it: that node's own watchdog fires first.
 
+The error carries the stuck worker's Python stacks, every thread
+(:mod:`flowrl.runtime.hangs`), so it says which line the operator is stuck on.
+Every node has a timeout: its own ``timeout_s``, else ``schedule.timeout_s``
+(one hour unless set; ``null`` turns it off).
+
 Example::
 
-    check_timeouts(plan, graph, pending, ended, submitted_at, worker_free, default_s, label)
+    check_timeouts(step, plan, graph, pending, ended, submitted_at, worker_free, label, stacks)
 """
 
 from __future__ import annotations
@@ -30,10 +35,12 @@ def check_timeouts(
     submitted_at: float,
     worker_free: dict[tuple[str, int], float],
     label: Callable[[str, int], str],
+    stacks: Callable[[str, int], str] | None = None,
 ) -> None:
     """Raise :class:`NodeTimeoutError` for the first pending task past its ``timeout_s``.
 
-    ``pending`` maps a handle to ``(task key or None for a sync/snapshot, pool, rank)``.
+    ``pending`` maps a handle to ``(task key or None for a sync/snapshot, pool, rank)``;
+    ``stacks(pool, rank)``: that worker's Python stacks, shown in the error.
     """
     now = time.time()
     default = graph.config.schedule.timeout_s
@@ -56,11 +63,14 @@ def check_timeouts(
             ready = max([ready, worker_free.get((pool, rank), 0.0)] + [ended[k] for k in before])
         if now - ready > limit:
             waited = [f"{d[0]}" + (f"[{d[1]}]" if d[1] is not None else "") for d in deps]
+            where = stacks(pool, rank) if stacks is not None else ""
             raise NodeTimeoutError(
                 f"node {key[0]!r} (step {step + 1}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
                 + f") has run {now - ready:.1f}s on {label(pool, rank)}, past its "
                 f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were ready and its "
                 f"worker free, so it is the operator itself that is slow or stuck"
+                + (f"\n--- where {label(pool, rank)} is (every thread, innermost call last) ---\n{where.rstrip()}"
+                   if where else "")
             )
 
 

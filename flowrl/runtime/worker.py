@@ -29,6 +29,7 @@ from flowrl.runtime.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
 from flowrl.runtime.faults import Fault, Injector, run_guarded
+from flowrl.runtime.hangs import thread_stacks
 from flowrl.runtime.pools import RoleBuild
 
 
@@ -323,6 +324,10 @@ class Worker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def stacks(self) -> str:
+        """Every thread's Python stack in this process (asked on a control thread while a task may be stuck)."""
+        return thread_stacks()
 
     def _set_version(self, owner: str) -> None:
         for name, o in self.owner.items():
