@@ -162,3 +162,41 @@ def test_the_fault_switch_parses_and_refuses_what_it_cannot_read():
     for bad in ("node=reward", "node=reward,step=x", "node=reward,step=1,kind=explode", "node=r,step=1,when=now"):
         with pytest.raises(FaultSpecError):
             parse_fault(bad)
+
+
+REFILL = {"nodes.reward.on_error": "refill", "nodes.reward.fn": "tests.faulty_reward:flaky_score"}
+
+
+def test_refill_replaces_the_failed_prompts_with_fresh_ones_and_keeps_every_group():
+    g = grpo(**REFILL)
+    full = prompts(g, 2)
+    bad = [sum(faulty.fails(t) for t in b.non_tensor_batch["ground_truth"]) for b in full]
+    with Runtime(g, backend="local", resources=BIG, fetch=["uid", "ground_truth", "token_level_scores"]) as rt:
+        results = list(rt.run(iter(full), steps=2))
+    for r, b, n_bad in zip(results, full, bad):
+        assert r.metrics["faults/refilled_groups"] >= n_bad > 0
+        uids = list(r.data.non_tensor_batch["uid"])
+        assert len(uids) == 4 * 4 and "faults/dropped_groups" not in r.metrics
+        kept = [u for u, t in zip(b.non_tensor_batch["uid"], b.non_tensor_batch["ground_truth"]) if not faulty.fails(t)]
+        assert set(kept) < set(uids) and any("-refill" in u for u in uids)
+        assert not any(faulty.fails(t) for t in r.data.non_tensor_batch["ground_truth"])  # no failed prompt left
+
+
+def test_refill_draws_the_same_prompts_on_resume(tmp_path):
+    from flowrl.runtime.trainer import Trainer
+
+    def train(out, steps, resume=False):
+        g = load_graph("grpo", overrides={**SMALL, **REFILL, "trainer.checkpoint_every": 2})
+        return Trainer(g, backend="local", steps=steps, out=out, resume=resume, say=lambda m: None).run()
+
+    keys = ("reward/mean", "actor/pg_loss", "actor/entropy", "faults/refilled_groups", "response_length/mean")
+    full = train(tmp_path / "full", 4)
+    part = train(tmp_path / "part", 2) + train(tmp_path / "part", 4, resume=True)
+    assert [[r.get(k) for k in keys] for r in part] == [[r.get(k) for k in keys] for r in full]
+    assert sum(r.get("faults/refilled_groups", 0) for r in full) > 0
+
+
+def test_refill_on_an_update_is_refused():
+    report = load_graph("grpo", overrides={"nodes.update_actor.on_error": "refill"}).check(resources=BIG)
+    [problem] = report.errors
+    assert problem.field == "on_error" and "refill" in problem.message

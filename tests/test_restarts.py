@@ -32,8 +32,10 @@ def runs(ray_session):
                 mp.setenv(FAULT_ENV, fault)
             rt = Runtime(g, backend="ray", resources=BIG)
             try:
-                out[name] = ([r.metrics for r in rt.run(iter(prompts(g, STEPS)), steps=STEPS)],
-                             list(rt.restarts.events), dict(rt.backend.pids))
+                # a checkpoint behind the step the worker died in: taken after the tasks run again
+                results = list(rt.run(iter(prompts(g, STEPS)), steps=STEPS, checkpoint=lambda t: t == 4))
+                out[name] = ([r.metrics for r in results], list(rt.restarts.events), dict(rt.backend.pids),
+                             {k: s["versions"] for k, s in results[4].checkpoint["workers"].items()})
             finally:
                 rt.close()
     finally:
@@ -42,8 +44,9 @@ def runs(ray_session):
 
 
 def test_the_killed_rollout_worker_is_replaced_and_every_metric_is_unchanged(runs):
-    clean, _, _ = runs["clean"]
-    killed, events, _ = runs["killed"]
+    clean, _, _, clean_versions = runs["clean"]
+    killed, events, _, versions = runs["killed"]
+    assert versions == clean_versions and versions[("gen", 0)]["rollout"] >= 3
     assert len(killed) == STEPS
     assert [m.get("faults/restarts", 0) for m in killed] == [0, 0, 0, 0, 1, 0]
     for step, (got, want) in enumerate(zip(killed, clean)):
@@ -53,7 +56,7 @@ def test_the_killed_rollout_worker_is_replaced_and_every_metric_is_unchanged(run
 
 
 def test_the_restart_names_the_worker_the_cause_and_the_step(runs):
-    _, events, pids = runs["killed"]
+    _, events, pids, _ = runs["killed"]
     [event] = events
     assert event.worker.startswith("gen[0] (pid ") and event.step == 4 and event.rerun >= 1
     assert str(pids[("gen", 0)]) not in event.worker  # the new process took its place

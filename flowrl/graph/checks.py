@@ -341,10 +341,10 @@ def _check_run_settings(graph: Graph, add) -> None:
                 ))
     for name, node in graph.nodes.items():
         policy = node.config.on_error
-        if policy is not None and policy.then == "drop_group" and (node.updates_role or node.scope == "batch"):
+        if policy is not None and policy.then != "fail" and (node.updates_role or node.scope == "batch"):
             what = "updates its role" if node.updates_role else "is batch-scoped"
             add(SchemaError(
-                f"on_error.then: drop_group, but the node {what}: its rows cannot be left out one group at a time "
+                f"on_error.then: {policy.then}, but the node {what}: its rows cannot be left out one group at a time "
                 "(an update that failed half-way may already have changed the weights)",
                 node=name, field="on_error", location=graph.locate("nodes", name, "on_error", "then"),
                 fix="use drop_group on the row- or group-scoped node that fails (a reward, a tool, an environment); "

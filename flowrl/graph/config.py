@@ -94,12 +94,13 @@ class DataConfig(BaseModel):
 class OnErrorConfig(_Strict):
     """What a node does when its operator raises: ``retries`` more attempts on the same rows,
     ``backoff_s`` before the first (doubling after each), then ``then``: ``fail`` the step
-    (the default), or ``drop_group``: leave out of this step every group (the rows of one
-    prompt: one ``uid``) the operator still fails on, and go on with the complete groups."""
+    (the default), ``drop_group``: leave out of this step every group (the rows of one
+    prompt: one ``uid``) the operator still fails on, and go on with the complete groups, or
+    ``refill``: run the step again with those groups' prompts replaced by fresh ones."""
 
     retries: int = Field(0, ge=0, le=100)
     backoff_s: float = Field(0.0, ge=0, le=3600)
-    then: Literal["fail", "drop_group"] = "fail"
+    then: Literal["fail", "drop_group", "refill"] = "fail"
 
     @model_validator(mode="before")
     @classmethod

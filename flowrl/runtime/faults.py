@@ -55,6 +55,19 @@ class InjectedFault(RuntimeError):
     """Raised by the fault switch (``kind=raise``)."""
 
 
+class RefillNeeded(RuntimeError):
+    """A node with ``on_error: refill`` failed on some groups: the driver replaces their prompts
+    (:mod:`flowrl.runtime.refill`). ``groups``: their places among the task's groups; ``uids``:
+    their ``uid`` when the node read it."""
+
+    def __init__(self, node: str, step: int, mb: int | None, groups: list[int], uids: list | None, cause: str):
+        self.node, self.step, self.mb, self.groups, self.uids, self.cause = node, step, mb, groups, uids, cause
+        super().__init__(f"node {node!r} at step {step + 1} failed on {len(groups)} group(s): {cause}")
+
+    def __reduce__(self):
+        return (RefillNeeded, (self.node, self.step, self.mb, self.groups, self.uids, self.cause))
+
+
 class FaultSpecError(ValueError):
     """``FLOWRL_FAULT`` does not parse."""
 
@@ -135,12 +148,13 @@ def _sleep_forever() -> None:
 
 
 def run_guarded(run: Run, batch: DataProto, policy: OnErrorConfig | None, group: int = 1,
-                factor: int = 1) -> tuple[DataProto, dict[str, float]]:
+                factor: int = 1, where: tuple[str, int, int | None] = ("", 0, None)) -> tuple[DataProto, dict[str, float]]:
     """``run(batch)`` under the node's ``policy``, on the rows no earlier node dropped.
 
     ``group``: rows per prompt in ``batch`` (used when it has no ``uid`` column);
-    ``factor``: output rows per input row. The output has the input's rows (times
-    ``factor``), the dropped ones marked, whenever the input or this node dropped any.
+    ``factor``: output rows per input row; ``where``: (node, step, micro-batch), for a refill.
+    The output has the input's rows (times ``factor``), the dropped ones marked, whenever the
+    input or this node dropped any.
     """
     mask = batch.non_tensor_batch.pop(DROPPED, None)
     marked = mask is not None
@@ -149,10 +163,15 @@ def run_guarded(run: Run, batch: DataProto, policy: OnErrorConfig | None, group:
     part = batch if not dropped.any() else _keep(batch, kept, dropped)
     try:
         out, metrics = _with_retries(run, part, policy)
-    except Exception:
-        if policy is None or policy.then != "drop_group":
+    except Exception as e:
+        if policy is None or policy.then == "fail":
             raise
         failed = _failed_groups(run, part, group)
+        if policy.then == "refill" and failed:
+            uid = batch.non_tensor_batch.get("uid")
+            rows = [int(kept[r[0]]) for r in failed]
+            raise RefillNeeded(*where, [r // max(1, group) for r in rows],
+                               None if uid is None else [uid[r] for r in rows], f"{type(e).__name__}: {e}") from None
         if len(failed) == len(_groups(part, group)):
             raise  # nothing left to go on with: the step fails, with the operator's own error
         now = np.zeros(len(part), dtype=bool)
@@ -244,5 +263,5 @@ def _scatter(out: DataProto, kept: np.ndarray, rows: int, factor: int) -> DataPr
     return DataProto.from_dict(tensors=tensors or None, non_tensors=non_tensors, meta_info=dict(out.meta_info))
 
 
-__all__ = ["FAULT_ENV", "Fault", "FaultSpecError", "InjectedFault", "Injector", "fault_from_env", "parse_fault",
-           "run_guarded"]
+__all__ = ["FAULT_ENV", "Fault", "FaultSpecError", "InjectedFault", "Injector", "RefillNeeded", "fault_from_env",
+           "parse_fault", "run_guarded"]

@@ -33,6 +33,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from flowrl.runtime.backend import describe_death
 from flowrl.runtime.plan import Plan, TaskKey
 
 log = logging.getLogger("flowrl.restarts")
@@ -73,13 +74,14 @@ class Restarts:
         log.warning("%s (restart %d of %d for pool %r)", event, self.used[pool], self.allowed.get(pool, 0), pool)
 
 
-def lost_tasks(steps: list[Any], dead: set[Worker],
-               status: Callable[[Any], bool | None]) -> tuple[list[list[TaskKey]], set[tuple[str, int]]]:
+def lost_tasks(steps: list[Any], dead: set[Worker], status: Callable[[Any], bool | None],
+               first: frozenset[TaskKey] = frozenset()) -> tuple[list[list[TaskKey]], set[tuple[str, int]]]:
     """Per step in flight (in order), its lost tasks in plan order (see the module docstring),
     and the ``(role, step)`` of the lost updates.
 
     ``steps``: objects with ``step``, ``plan`` (:class:`Plan`) and ``reports`` (handle →
-    (task key, pool, rank)); ``status(handle)``: True (reported), False (not yet), None (failed).
+    (task key, pool, rank)); ``status(handle)``: True (reported), False (not yet), None (failed);
+    ``first``: tasks of the first step lost whatever they reported (its source batch changed).
     """
     lost_updates: set[tuple[str, int]] = set()
     lost_state: set[str] = set()  # stateful nodes whose latest task is lost
@@ -95,7 +97,7 @@ def lost_tasks(steps: list[Any], dead: set[Worker],
             task = plan.tasks[key]
             seen = reported.get(key, {True})
             on_dead = any((task.pool, r) in dead for r in task.ranks)
-            hit = (None in seen or (on_dead and seen != {True})
+            hit = (None in seen or (on_dead and seen != {True}) or (st is steps[0] and key in first)
                    or any(d in lost for d in task.deps)
                    or any((g.role, g.update_step(st.step)) in lost_updates for g in task.gates)
                    or (task.stateful and task.node in lost_state))
@@ -125,9 +127,14 @@ def forget(st: Any, keys: list[TaskKey], dead: set[Worker], syncs: dict[tuple[st
 
 
 def replace_dead(backend: Any, restarts: Restarts, syncs: dict[tuple[str, int, str, int], Any], steps: list[Any],
-                 submit: Callable[[Any, Any], None], cause: str) -> bool:
+                 submit: Callable[[Any, Any], None], op_state: dict[str, Any], exc: BaseException,
+                 after: Callable[[Any], None] | None = None) -> bool:
     """Replace the dead workers and submit the lost tasks of ``steps`` (the step being finished
-    first) again; False (nothing done) when no worker is dead or a pool has no restart left."""
+    first) again; False (nothing done) when no restart is allowed, no worker is dead or a pool
+    has no restart left. ``exc``: the failure that made the driver look (its cause is logged)."""
+    if not any(restarts.allowed.values()):
+        return False
+    cause = describe_death(exc) or describe_death(getattr(exc, "cause", None) or exc) or type(exc).__name__
     dead = set(backend.dead_workers())
     if not restarts.allows(dead):
         return False
@@ -135,19 +142,33 @@ def replace_dead(backend: Any, restarts: Restarts, syncs: dict[tuple[str, int, s
     labels = {w: backend.worker_label(*w) for w in dead}
     for w in sorted(dead):
         backend.replace(*w)
+    rerun = resubmit(steps, lost, lost_updates, dead, syncs, submit, op_state, after)
+    for w in sorted(dead):
+        restarts.record(Restart(labels[w], cause, steps[0].step, rerun), w[0])
+    steps[0].faults["restarts"] += len(dead)
+    return True
+
+
+def resubmit(steps: list[Any], lost: list[list[TaskKey]], lost_updates: set[tuple[str, int]], dead: set[Worker],
+             syncs: dict[tuple[str, int, str, int], Any], submit: Callable[[Any, Any], None],
+             op_state: dict[str, Any], after: Callable[[Any], None] | None = None) -> int:
+    """Forget the lost tasks' reports and syncs, then submit them again step by step in plan order,
+    each stateful one from the state it was first handed; ``after(step)`` right behind each step
+    that had lost tasks (its checkpoint, queued again); how many were submitted."""
     for st, keys in zip(steps, lost):
         forget(st, keys, dead, syncs, lost_updates)
     for st, keys in zip(steps, lost):
         for key in keys:
-            submit(st, st.plan.tasks[key])
-        if st.snapshot is not None:  # the new worker's state, queued right behind this step's tasks
-            for w in dead & set(st.snapshot["workers"]):
-                st.snapshot["workers"][w] = backend.call(*w, "get_state", st.snapshot["shards"])
-    rerun = sum(map(len, lost))
-    for w in sorted(dead):
-        restarts.record(Restart(labels[w], cause, steps[0].step, rerun), w[0])
-    steps[0].restarts += len(dead)
-    return True
+            task = st.plan.tasks[key]
+            if task.stateful:  # the state its node had before it: the previous micro-batch's, or the step's
+                earlier = [k for k in st.plan.order if k[0] == key[0] and (k[1] or 0) < (key[1] or 0)]
+                op_state[key[0]] = st.first_report[earlier[-1]] if earlier else st.state_in.get(key[0])
+                if op_state[key[0]] is None:
+                    del op_state[key[0]]
+            submit(st, task)
+        if after is not None and keys:
+            after(st)
+    return sum(map(len, lost))
 
 
 def report_status(backend: Any, handle: Any) -> bool | None:
@@ -162,4 +183,4 @@ def report_status(backend: Any, handle: Any) -> bool | None:
     return True
 
 
-__all__ = ["Restart", "Restarts", "forget", "lost_tasks", "replace_dead", "report_status"]
+__all__ = ["Restart", "Restarts", "forget", "lost_tasks", "replace_dead", "report_status", "resubmit"]

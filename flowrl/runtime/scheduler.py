@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -39,6 +39,7 @@ from flowrl.runtime.errors import NodeError, RuntimeFailure, WorkerDiedError
 from flowrl.runtime.faults import Fault, fault_from_env
 from flowrl.runtime.plan import Plan, Task, make_plan
 from flowrl.runtime.reads import fetched, task_input
+from flowrl.runtime.refill import keyed_draw, refill_of, refill_step
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
 from flowrl.runtime.restarts import Restarts, replace_dead
 from flowrl.runtime.rowspace import input_space
@@ -68,7 +69,9 @@ class _Step:
     outputs: dict[TaskKey, DataProtoFuture] = field(default_factory=dict)
     reports: dict[Any, tuple[TaskKey | None, str, int]] = field(default_factory=dict)  # handle → (task, pool, rank)
     first_report: dict[TaskKey, Any] = field(default_factory=dict)  # a task's report on its first rank
-    restarts: int = 0  # workers replaced while this step ran (faults/restarts)
+    batch: DataProto | None = None  # the source batch (a refill replaces prompts in it)
+    state_in: dict[str, Any] = field(default_factory=dict)  # operator states the step started from
+    faults: Counter[str] = field(default_factory=Counter)  # restarts, refills: faults/<name>
 
 
 class Runtime:
@@ -189,7 +192,8 @@ class Runtime:
         if problems:
             raise DataSourceMismatch(f"step {t + 1}: the data source's batch does not match the columns it declares: "
                                      + "; ".join(problems))
-        st = _Step(t, time.time(), plan, src=self.backend.put(batch))
+        st = _Step(t, time.time(), plan, src=self.backend.put(batch), batch=batch,
+                   state_in=dict(self._op_state[plan.kind]))
         for key in plan.order:
             self._submit_task(st, plan.tasks[key])
         return st
@@ -243,7 +247,7 @@ class Runtime:
             for h, outcome in done:
                 key, pool, rank = pending.pop(h)
                 if isinstance(outcome, BaseException):
-                    if self._replaced(st, outcome):  # the lost tasks run again on a new worker
+                    if self._recovered(st, outcome):  # the lost tasks run again (new worker, new prompts)
                         pending = {h: v for h, v in st.reports.items() if h not in received}
                         break
                     if self.on_progress is not None and key is not None and training:
@@ -266,8 +270,7 @@ class Runtime:
         if training:
             extra, self._last_step_end = pipeline_metrics(st.plan, infos, self._last_step_end)
             metrics.update(extra)
-        if st.restarts:
-            metrics["faults/restarts"] = float(st.restarts)
+        metrics.update({f"faults/{k}": float(v) for k, v in st.faults.items() if k != "refill_rounds"})
         data = self._collect(st) if self.fetch and training else None
         result = StepResult(st.step, metrics, infos, makespan, bound, data)
         if st.snapshot is not None:
@@ -277,12 +280,20 @@ class Runtime:
             result.val_metrics = {f"val/{k}": v for k, v in val.metrics.items() if not k.startswith("scheduler/")}
         return result
 
-    def _replaced(self, st: _Step, exc: BaseException) -> bool:
-        if not any(self.restarts.allowed.values()):
-            return False
-        cause = describe_death(exc) or describe_death(getattr(exc, "cause", None) or exc) or type(exc).__name__
-        return replace_dead(self.backend, self.restarts, self.versions.syncs, [st, *self._in_flight],
-                            self._submit_task, cause)
+    def _recovered(self, st: _Step, exc: BaseException) -> bool:
+        steps, op_state = [st, *self._in_flight], self._op_state[st.plan.kind]
+        need = refill_of(exc)
+        if need is not None:
+            refill_step(need, steps, self.backend, self.versions.syncs, self._submit_task, op_state,
+                        keyed_draw(self.graph.config), self._requeue_snapshot)
+            return True
+        return replace_dead(self.backend, self.restarts, self.versions.syncs, steps, self._submit_task, op_state, exc,
+                            self._requeue_snapshot)
+
+    def _requeue_snapshot(self, st: _Step) -> None:
+        """A step run again: its checkpoint is taken again behind it (with the data position it had)."""
+        if st.snapshot is not None:
+            st.snapshot = {**self._queue_snapshot(st.step, None), "source": st.snapshot["source"]}
 
     def _failure(self, exc: BaseException, step: int, key: TaskKey | None, pool: str, rank: int) -> RuntimeFailure:
         cause = getattr(exc, "cause", None)

@@ -28,7 +28,7 @@ from flowrl.graph.config import OnErrorConfig
 from flowrl.runtime.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
-from flowrl.runtime.faults import Fault, Injector, run_guarded
+from flowrl.runtime.faults import Fault, Injector, RefillNeeded, run_guarded
 from flowrl.runtime.hangs import thread_stacks
 from flowrl.runtime.pools import RoleBuild
 
@@ -232,7 +232,8 @@ class Worker:
                     inject(call.node, call.step, call.rank, call.mb)
                 return self._run(entry, role_obj, rows)
 
-            out, metrics = run_guarded(run, batch, entry.on_error, entry.group, call.factor)
+            out, metrics = run_guarded(run, batch, entry.on_error, entry.group, call.factor,
+                                       (call.node, call.step, call.mb))
             out = mode.tag(out, tags, call.factor)
             if state is not None:
                 batch.meta_info.pop(entry.op.state.key, None)
@@ -240,6 +241,8 @@ class Worker:
                 owner = self.owner[entry.role]
                 self.versions[owner] += 1
                 self._set_version(owner)
+        except RefillNeeded:
+            raise  # the driver refills the step (flowrl.runtime.refill)
         except (StalenessError, NonFiniteOutput, RowCountError) as e:
             raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
         except Exception as e:
