@@ -72,3 +72,34 @@ def test_every_node_has_a_generous_default_timeout_that_can_be_changed_or_lifted
     assert ScheduleConfig().timeout_s == 3600.0
     assert ScheduleConfig(timeout_s=None).timeout_s is None
     assert ScheduleConfig(timeout_s=30).timeout_s == 30
+
+
+def test_a_weight_sync_past_the_default_timeout_is_named_with_the_stack(tmp_path):
+    import time
+
+    from flowrl.runtime.plan import make_plan
+    from flowrl.runtime.watchdog import check_timeouts
+
+    g = graph_from("ppo.yaml", tmp_path, schedule={"timeout_s": 0.5})
+    plan = make_plan(g)
+    sync, queued = object(), object()
+    pending = {sync: (None, "critic", 0), queued: (plan.pool_order["critic"][0], "critic", 0)}
+    with pytest.raises(NodeTimeoutError) as exc:
+        check_timeouts(0, plan, g, pending, {}, time.time() - 2, {}, lambda p, r: f"{p}[{r}]",
+                       lambda p, r: 'File "x.py", line 3, in set_weights')
+    msg = str(exc.value)
+    assert "loading weights on critic[0] (for step 1)" in msg and "schedule.timeout_s=0.5" in msg
+    assert 'line 3, in set_weights' in msg
+    # behind a task still pending on its worker, a sync is queued, not stuck
+    check_timeouts(0, plan, g, {queued: pending[queued], sync: pending[sync]}, {}, time.time() - 2, {},
+                   lambda p, r: f"{p}[{r}]")
+
+
+def test_a_checkpoint_state_that_never_comes_is_named():
+    import concurrent.futures as cf
+
+    from flowrl.runtime.watchdog import get_within
+
+    with pytest.raises(NodeTimeoutError) as exc:
+        get_within(lambda h, timeout: h.result(timeout=timeout), cf.Future(), 0.05, "the state of gen[0]")
+    assert "the state of gen[0] did not come within schedule.timeout_s=0.05" in str(exc.value)

@@ -45,7 +45,7 @@ from flowrl.runtime.restarts import Restarts, replace_dead
 from flowrl.runtime.rowspace import input_space
 from flowrl.runtime.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
-from flowrl.runtime.watchdog import check_timeouts
+from flowrl.runtime.watchdog import check_timeouts, get_within
 from flowrl.runtime.worker import Call, Info, NodeEntry
 
 TaskKey = tuple[str, int | None]
@@ -340,7 +340,10 @@ class Runtime:
             value = self.backend.get(h)
             return value.state if isinstance(value, Info) else value
 
-        return {**snap, "workers": {k: self.backend.get(h) for k, h in snap["workers"].items()},
+        limit, get = self.graph.config.schedule.timeout_s, self.backend.get
+        return {**snap, "workers": {k: get_within(get, h, limit, f"the state of {self.backend.worker_label(*k)} for "
+                                                  f"the checkpoint of step {snap['step'] + 1}")
+                                    for k, h in snap["workers"].items()},
                 "weights": {k: self.backend.get(h) for k, h in snap["weights"].items()},
                 "operator_state": {n: state_of(h) for n, h in snap["operator_state"].items()}}
 

@@ -45,8 +45,16 @@ def check_timeouts(
     now = time.time()
     default = graph.config.schedule.timeout_s
     busy = {(pool, rank) for k, pool, rank in pending.values() if k is None}  # syncs, snapshots
-    for key, pool, rank in pending.values():
-        if key is None:
+    first: dict[tuple[str, int], object] = {}  # each worker's earliest pending handle (reports are in submit order)
+    for h, (_, pool, rank) in pending.items():
+        first.setdefault((pool, rank), h)
+    for h, (key, pool, rank) in pending.items():
+        if key is None:  # a weight sync: timed from when its worker was free for it
+            ready = max(submitted_at, worker_free.get((pool, rank), 0.0))
+            if default is not None and first[(pool, rank)] is h and now - ready > default:
+                raise NodeTimeoutError(
+                    f"loading weights on {label(pool, rank)} (for step {step + 1}) has taken {now - ready:.1f}s, "
+                    f"past schedule.timeout_s={default:g}" + _where(pool, rank, label, stacks))
             continue
         limit = graph.nodes[key[0]].timeout_s or default
         if limit is None:
@@ -63,15 +71,28 @@ def check_timeouts(
             ready = max([ready, worker_free.get((pool, rank), 0.0)] + [ended[k] for k in before])
         if now - ready > limit:
             waited = [f"{d[0]}" + (f"[{d[1]}]" if d[1] is not None else "") for d in deps]
-            where = stacks(pool, rank) if stacks is not None else ""
             raise NodeTimeoutError(
                 f"node {key[0]!r} (step {step + 1}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
                 + f") has run {now - ready:.1f}s on {label(pool, rank)}, past its "
                 f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were ready and its "
-                f"worker free, so it is the operator itself that is slow or stuck"
-                + (f"\n--- where {label(pool, rank)} is (every thread, innermost call last) ---\n{where.rstrip()}"
-                   if where else "")
+                f"worker free, so it is the operator itself that is slow or stuck" + _where(pool, rank, label, stacks)
             )
 
 
-__all__ = ["check_timeouts"]
+def _where(pool: str, rank: int, label: Callable[[str, int], str], stacks: Callable[[str, int], str] | None) -> str:
+    """The stuck worker's stacks, as the tail of a timeout's message."""
+    where = stacks(pool, rank) if stacks is not None else ""
+    return f"\n--- where {label(pool, rank)} is (every thread, innermost call last) ---\n{where.rstrip()}" if where else ""
+
+
+def get_within(get: Callable[..., object], handle: object, limit: float | None, what: str) -> object:
+    """``get(handle)`` within ``limit`` seconds (None: no limit), else a :class:`NodeTimeoutError` naming ``what``."""
+    try:
+        return get(handle, timeout=limit)
+    except Exception as e:
+        if "Timeout" not in type(e).__name__:  # Ray's GetTimeoutError, concurrent.futures' TimeoutError
+            raise
+        raise NodeTimeoutError(f"{what} did not come within schedule.timeout_s={limit:g}") from None
+
+
+__all__ = ["check_timeouts", "get_within"]
