@@ -200,3 +200,14 @@ def test_refill_on_an_update_is_refused():
     report = load_graph("grpo", overrides={"nodes.update_actor.on_error": "refill"}).check(resources=BIG)
     [problem] = report.errors
     assert problem.field == "on_error" and "refill" in problem.message
+
+
+def test_fetched_rows_leave_out_the_dropped_groups():
+    g = grpo(**{"nodes.reward.on_error": "drop_group", "nodes.reward.fn": "tests.faulty_reward:flaky_score"})
+    [batch] = prompts(g, 1)
+    with Runtime(g, backend="local", resources=BIG, fetch=["ground_truth", "token_level_scores"]) as rt:
+        r = rt.run_step(batch)
+    truths = list(r.data.non_tensor_batch["ground_truth"])
+    n_ok = sum(not faulty.fails(t) for t in batch.non_tensor_batch["ground_truth"])
+    assert len(truths) == 4 * n_ok and not any(faulty.fails(t) for t in truths)
+    assert "_dropped" not in r.data.non_tensor_batch

@@ -192,7 +192,8 @@ def run_guarded(run: Run, batch: DataProto, policy: OnErrorConfig | None, group:
 
 def _with_retries(run: Run, batch: DataProto, policy: OnErrorConfig | None) -> tuple[DataProto, dict[str, float]]:
     retries = policy.retries if policy is not None else 0
-    for attempt in range(retries + 1):
+    attempt = 0
+    while True:
         try:
             out, got = run(batch)
         except Exception as e:
@@ -201,11 +202,9 @@ def _with_retries(run: Run, batch: DataProto, policy: OnErrorConfig | None) -> t
                     e.add_note(f"(failed on each of {retries + 1} attempts: on_error.retries={retries})")
                 raise
             time.sleep(policy.backoff_s * 2 ** attempt)
+            attempt += 1
             continue
-        if attempt:
-            got = {**got, "faults/retries": total(attempt)}
-        return out, got
-    raise AssertionError("unreachable")
+        return out, ({**got, "faults/retries": total(attempt)} if attempt else got)
 
 
 def _groups(batch: DataProto, group: int) -> list[np.ndarray]:

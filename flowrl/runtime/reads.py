@@ -73,7 +73,16 @@ def fetched(plan: Plan, fields: Iterable[str], src: Any, outputs: dict[TaskKey, 
                   if node != SOURCE else ((SOURCE, None),), tuple(names), None, target // plan.spaces[node].factor)
              for node, names in by_node.items()]
     futures = [read_future(r, src, outputs) for r in reads]
-    return futures[0] if len(futures) == 1 else DataProtoFuture(futures, collect_fn=union_columns)
+    return DataProtoFuture([futures[0] if len(futures) == 1 else DataProtoFuture(futures, collect_fn=union_columns)],
+                           collect_fn=complete_rows)
 
 
-__all__ = ["fetched", "read_future", "task_input", "union_columns"]
+def complete_rows(parts: list[DataProto]) -> DataProto:
+    """The rows of a fetch no node dropped (``on_error: drop_group``): a dump never shows a dropped
+    row's placeholder values as if they were results."""
+    data = parts[0]
+    mask = data.non_tensor_batch.pop(DROPPED, None)
+    return data if mask is None or not np.any(mask) else data.select_idxs(~np.asarray(mask, dtype=bool))
+
+
+__all__ = ["complete_rows", "fetched", "read_future", "task_input", "union_columns"]
