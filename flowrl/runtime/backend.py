@@ -97,6 +97,10 @@ class Backend(abc.ABC):
         """Start a new worker for a dead one, in its place, building the same roles."""
         raise NotImplementedError(f"the {self.name} backend cannot replace a worker")
 
+    def discard(self, handles: list[Any]) -> None:
+        """Handles the runtime no longer needs, some of which will fail (a task run again): let them
+        go without reporting their errors as unhandled."""
+
     def shutdown(self) -> None:
         pass
 

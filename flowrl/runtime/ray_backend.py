@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from typing import Any
 
@@ -151,6 +152,18 @@ class RayBackend(Backend):
         actor = self._worker(self._pools[pool], rank, first_process=False)
         self.pids[(pool, rank)] = self._ray.get(actor.ping.remote())
         self.actors[(pool, rank)] = actor
+
+    def discard(self, handles: list[Any]) -> None:
+        # an ObjectRef whose error is never read is printed as an "Unhandled error" when it goes:
+        # read each (on a thread: the doomed tasks fail when their inputs do) and let it go
+        def drain() -> None:
+            for h in handles:
+                try:
+                    self._ray.get(h)
+                except Exception:  # noqa: BLE001 - the task was run again; its error means nothing now
+                    pass
+
+        threading.Thread(target=drain, name="flowrl-discard", daemon=True).start()
 
     def _form_groups(self, ray: Any, pools: list[PoolSpec]) -> None:
         """Every pool of N > 1: rank 0 listens, all ranks join (at once) and build their roles."""

@@ -141,7 +141,7 @@ def refill_step(need: RefillNeeded, steps: list[Any], backend: Any, syncs: dict,
     st.batch = splice(st.batch, rows, draw(st.step, len(rows), rounds), st.step, rounds)
     st.src = backend.put(st.batch)
     lost, lost_updates = lost_tasks(steps, set(), lambda h: report_status(backend, h), frozenset(st.plan.order))
-    resubmit(steps, lost, lost_updates, set(), syncs, submit, op_state, after)
+    resubmit(steps, lost, lost_updates, set(), syncs, submit, op_state, after, backend.discard)
     st.faults["refilled_groups"] += len(rows)
 
 

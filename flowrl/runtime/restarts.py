@@ -112,18 +112,22 @@ def lost_tasks(steps: list[Any], dead: set[Worker], status: Callable[[Any], bool
 
 
 def forget(st: Any, keys: list[TaskKey], dead: set[Worker], syncs: dict[tuple[str, int, str, int], Any],
-           lost_updates: set[tuple[str, int]]) -> None:
+           lost_updates: set[tuple[str, int]]) -> list[Any]:
     """Drop the reports of ``keys`` and the dead workers' syncs from a step, and the weight syncs
-    that loaded a dead worker or a lost update's weights, before the tasks are submitted again."""
+    that loaded a dead worker or a lost update's weights, before the tasks are submitted again;
+    the handles dropped (to be discarded once they fail, not left as unhandled errors)."""
     steps = {j for _, j in lost_updates}
-    for k in [k for k in syncs if (k[2], k[3]) in dead or k[1] in steps]:
-        del syncs[k]
+    dropped = [syncs.pop(k) for k in [k for k in syncs if (k[2], k[3]) in dead or k[1] in steps]]
     gone = set(keys)
     for h in [h for h, (k, pool, rank) in st.reports.items()
               if k in gone or (k is None and (pool, rank) in dead)]:
         del st.reports[h]
+        dropped.append(h)
     for k in gone:
         st.first_report.pop(k, None)
+        if k in st.outputs:
+            dropped += st.outputs[k].handles()
+    return dropped
 
 
 def replace_dead(backend: Any, restarts: Restarts, syncs: dict[tuple[str, int, str, int], Any], steps: list[Any],
@@ -142,7 +146,7 @@ def replace_dead(backend: Any, restarts: Restarts, syncs: dict[tuple[str, int, s
     labels = {w: backend.worker_label(*w) for w in dead}
     for w in sorted(dead):
         backend.replace(*w)
-    rerun = resubmit(steps, lost, lost_updates, dead, syncs, submit, op_state, after)
+    rerun = resubmit(steps, lost, lost_updates, dead, syncs, submit, op_state, after, backend.discard)
     for w in sorted(dead):
         restarts.record(Restart(labels[w], cause, steps[0].step, rerun), w[0])
     steps[0].faults["restarts"] += len(dead)
@@ -151,12 +155,14 @@ def replace_dead(backend: Any, restarts: Restarts, syncs: dict[tuple[str, int, s
 
 def resubmit(steps: list[Any], lost: list[list[TaskKey]], lost_updates: set[tuple[str, int]], dead: set[Worker],
              syncs: dict[tuple[str, int, str, int], Any], submit: Callable[[Any, Any], None],
-             op_state: dict[str, Any], after: Callable[[Any], None] | None = None) -> int:
+             op_state: dict[str, Any], after: Callable[[Any], None] | None = None,
+             discard: Callable[[list[Any]], None] | None = None) -> int:
     """Forget the lost tasks' reports and syncs, then submit them again step by step in plan order,
     each stateful one from the state it was first handed; ``after(step)`` right behind each step
     that had lost tasks (its checkpoint, queued again); how many were submitted."""
-    for st, keys in zip(steps, lost):
-        forget(st, keys, dead, syncs, lost_updates)
+    dropped = [h for st, keys in zip(steps, lost) for h in forget(st, keys, dead, syncs, lost_updates)]
+    if discard is not None:
+        discard(dropped)
     for st, keys in zip(steps, lost):
         for key in keys:
             task = st.plan.tasks[key]
