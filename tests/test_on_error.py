@@ -167,11 +167,14 @@ def test_the_fault_switch_parses_and_refuses_what_it_cannot_read():
 REFILL = {"nodes.reward.on_error": "refill", "nodes.reward.fn": "tests.faulty_reward:flaky_score"}
 
 
-def test_refill_replaces_the_failed_prompts_with_fresh_ones_and_keeps_every_group():
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_refill_replaces_the_failed_prompts_with_fresh_ones_and_keeps_every_group(backend, request):
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
     g = grpo(**REFILL)
     full = prompts(g, 2)
     bad = [sum(faulty.fails(t) for t in b.non_tensor_batch["ground_truth"]) for b in full]
-    with Runtime(g, backend="local", resources=BIG, fetch=["uid", "ground_truth", "token_level_scores"]) as rt:
+    with Runtime(g, backend=backend, resources=BIG, fetch=["uid", "ground_truth", "token_level_scores"]) as rt:
         results = list(rt.run(iter(full), steps=2))
     for r, b, n_bad in zip(results, full, bad):
         assert r.metrics["faults/refilled_groups"] >= n_bad > 0

@@ -121,8 +121,9 @@ def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def refill_step(need: RefillNeeded, steps: list[Any], backend: Any, syncs: dict, submit: Callable[[Any, Any], None],
-                op_state: dict[str, Any], draw: Draw, after: Callable[[Any], None] | None = None) -> None:
-    """Run step ``steps[0]`` again with the failed groups' prompts replaced (see the module docstring)."""
+                op_state: dict[str, Any], draw: Draw, after: Callable[[Any], None] | None = None) -> bool:
+    """Run step ``steps[0]`` again with the failed groups' prompts replaced (see the module docstring);
+    True, or a :class:`RefillError` when it cannot."""
     st = steps[0]
     st.faults["refill_rounds"] += 1
     rounds = int(st.faults["refill_rounds"])
@@ -143,6 +144,7 @@ def refill_step(need: RefillNeeded, steps: list[Any], backend: Any, syncs: dict,
     lost, lost_updates = lost_tasks(steps, set(), lambda h: report_status(backend, h), frozenset(st.plan.order))
     resubmit(steps, lost, lost_updates, set(), syncs, submit, op_state, after, backend.discard)
     st.faults["refilled_groups"] += len(rows)
+    return True
 
 
 __all__ = ["MAX_ROUNDS", "RefillError", "keyed_draw", "refill_of", "refill_seed", "refill_step", "splice"]

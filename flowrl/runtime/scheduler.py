@@ -283,10 +283,9 @@ class Runtime:
     def _recovered(self, st: _Step, exc: BaseException) -> bool:
         steps, op_state = [st, *self._in_flight], self._op_state[st.plan.kind]
         need = refill_of(exc)
-        if need is not None:
-            refill_step(need, steps, self.backend, self.versions.syncs, self._submit_task, op_state,
-                        keyed_draw(self.graph.config), self._requeue_snapshot)
-            return True
+        if need is not None:  # raises when the step cannot be refilled
+            return refill_step(need, steps, self.backend, self.versions.syncs, self._submit_task, op_state,
+                               keyed_draw(self.graph.config), self._requeue_snapshot)
         return replace_dead(self.backend, self.restarts, self.versions.syncs, steps, self._submit_task, op_state, exc,
                             self._requeue_snapshot)
 
