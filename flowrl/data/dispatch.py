@@ -163,6 +163,9 @@ TAG_PREFIX = "_dispatch"
 #: the meta_info key of a balanced part: its rows' places in the task's batch and that batch's row
 #: count, so an update can cut the whole batch's mini-batches from its part
 TASK_ROWS = "task_rows"
+#: the column that marks rows left out of a step (a node's ``on_error: drop_group``): every
+#: read keeps it, and every task runs its operator on the unmarked rows only
+DROPPED = "_dropped"
 
 
 def real_tokens(batch: "DataProto", tokens: str | None):
@@ -243,7 +246,7 @@ def _collect_in_order(parts: list["DataProto"]) -> "DataProto":
 def narrow(part: "DataProto", columns: tuple[str, ...]) -> "DataProto":
     """``part`` with only ``columns`` (those it has) and the dispatch modes' own tag columns."""
     tensor_keys = set(part.batch.keys()) if part.batch is not None else set()
-    tags = tuple(k for k in part.non_tensor_batch if k.startswith(TAG_PREFIX))
+    tags = tuple(k for k in part.non_tensor_batch if k.startswith(TAG_PREFIX) or k == DROPPED)
     return part.select([c for c in columns if c in tensor_keys],
                        [c for c in columns + tags if c in part.non_tensor_batch],
                        [c for c in columns if c in part.meta_info])
@@ -278,6 +281,6 @@ def data_parallel(keep_groups: bool) -> DispatchMode:
     return BALANCED_GROUPS if keep_groups else BALANCED
 
 
-__all__ = ["BALANCED", "BALANCED_GROUPS", "ROW_INDEX", "TAG_PREFIX", "TASK_ROWS", "DISPATCH_MODES", "DispatchError",
+__all__ = ["BALANCED", "BALANCED_GROUPS", "DROPPED", "ROW_INDEX", "TAG_PREFIX", "TASK_ROWS", "DISPATCH_MODES", "DispatchError",
            "DispatchMode", "RowKeys", "balanced_rows", "concat_rows", "data_parallel", "dispatch_mode", "get_mode",
            "narrow", "rank_rows", "real_tokens", "task_rows"]

@@ -339,6 +339,29 @@ def _check_run_settings(graph: Graph, add) -> None:
                     fix=(f"did you mean {near[0]!r}? " if near else "")
                     + f"staleness is keyed by updated roles: {', '.join(updated) or '(none in this graph)'}",
                 ))
+    for name, node in graph.nodes.items():
+        policy = node.config.on_error
+        if policy is not None and policy.then != "fail" and (node.updates_role or node.scope == "batch"):
+            what = "updates its role" if node.updates_role else "is batch-scoped"
+            add(SchemaError(
+                f"on_error.then: {policy.then}, but the node {what}: its rows cannot be left out one group at a time "
+                "(an update that failed half-way may already have changed the weights)",
+                node=name, field="on_error", location=graph.locate("nodes", name, "on_error", "then"),
+                fix="use drop_group on the row- or group-scoped node that fails (a reward, a tool, an environment); "
+                    "here use on_error: {retries: N} or fail",
+            ))
+    updated = {node.role for node in graph.nodes.values() if node.updates_role}
+    for pool, cfg in graph.config.pools.items():
+        trained = sorted(set(cfg.roles) & updated)
+        if cfg.max_restarts and (trained or cfg.workers > 1):
+            why = (f"its role {trained[0]!r} is updated: a replaced worker would have lost its trained state" if trained
+                   else f"its {cfg.workers} workers form one process group, which a replaced rank cannot rejoin")
+            add(SchemaError(
+                f"pools.{pool}.max_restarts: {cfg.max_restarts}, but {why}",
+                location=graph.locate("pools", pool, "max_restarts"), field="max_restarts",
+                fix="set max_restarts on a one-worker pool that only generates or scores (its weights come from "
+                    "another pool); resume a training pool from its last checkpoint (flowrl run --resume)",
+            ))
     if graph.config.trainer.val_every and graph.scorer() is None:
         add(SchemaError(
             "trainer.val_every asks for validation, but no node scores responses (no node's operator "

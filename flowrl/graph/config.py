@@ -26,7 +26,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: keys of a node that are not operator parameters
-NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost")
+NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost", "on_error")
 
 
 class _Strict(BaseModel):
@@ -70,6 +70,8 @@ class PoolConfig(_Strict):
     backend: str = Field("cpu:gloo,cuda:nccl", description="torch.distributed backend per device type, "
                          "for a pool of more than one worker")
     timeout_s: float = Field(300.0, gt=0, description="how long one collective of the pool's group may wait")
+    max_restarts: int = Field(0, ge=0, le=1000, description="dead workers replaced during the run (a pool of one "
+                              "worker whose roles no node updates: one that generates or scores)")
 
 
 class DataConfig(BaseModel):
@@ -89,6 +91,24 @@ class DataConfig(BaseModel):
         return {"source": self.source, "batch_size": self.batch_size, **self.settings}
 
 
+class OnErrorConfig(_Strict):
+    """What a node does when its operator raises: ``retries`` more attempts on the same rows,
+    ``backoff_s`` before the first (doubling after each), then ``then``: ``fail`` the step
+    (the default), ``drop_group``: leave out of this step every group (the rows of one
+    prompt: one ``uid``) the operator still fails on, and go on with the complete groups, or
+    ``refill``: run the step again with those groups' prompts replaced by fresh ones."""
+
+    retries: int = Field(0, ge=0, le=100)
+    backoff_s: float = Field(0.0, ge=0, le=3600)
+    then: Literal["fail", "drop_group", "refill"] = "fail"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, v: Any) -> Any:
+        # ``on_error: drop_group`` reads as ``on_error: {then: drop_group}``
+        return {"then": v} if isinstance(v, str) else v
+
+
 class ScheduleConfig(_Strict):
     """How the step runs: micro-batches for streaming, the staleness bound of the
     weight edge (one number, or one per role), and the per-pool order policy."""
@@ -97,7 +117,9 @@ class ScheduleConfig(_Strict):
     staleness: int | dict[str, int] = 0
     order: Literal["critical_path", "declared"] = Field(
         "critical_path", description="per-pool order: list-scheduled critical path first, or as written")
-    timeout_s: float | None = Field(None, gt=0)
+    timeout_s: float | None = Field(3600.0, gt=0, description="how long a node's task may run when the node sets "
+                                     "no timeout_s of its own (null: no limit); past it the step fails with "
+                                     "the stuck worker's stack")
     colocate_light_nodes: bool = Field(
         True, description="run stateless nodes whose neighbours all share one pool in that pool's process")
 
@@ -132,7 +154,7 @@ class TrainerConfig(_Strict):
 class NodeConfig(BaseModel):
     """One node: ``op`` (a registered name or ``module:function``), an optional
     ``role``, field renames, explicit ``after`` dependencies, a ``timeout_s``,
-    and the operator's parameters as the remaining keys."""
+    an ``on_error`` policy, and the operator's parameters as the remaining keys."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -143,6 +165,7 @@ class NodeConfig(BaseModel):
     after: list[str] = Field(default_factory=list)
     timeout_s: float | None = Field(None, gt=0)
     cost: float | None = Field(None, gt=0)
+    on_error: OnErrorConfig | None = None
 
     @property
     def params(self) -> dict[str, Any]:
@@ -156,6 +179,8 @@ class NodeConfig(BaseModel):
         for key in ("inputs", "outputs", "after"):
             if getattr(self, key):
                 out[key] = getattr(self, key)
+        if self.on_error is not None:
+            out["on_error"] = self.on_error.model_dump()
         out.update(self.params)
         return out
 

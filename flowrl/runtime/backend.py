@@ -21,6 +21,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable
 
+from flowrl.runtime.hangs import STACKS_TIMEOUT_S
 from flowrl.runtime.pools import PoolSpec
 from flowrl.runtime.traits import LOCAL, BackendTraits, register_traits
 from flowrl.runtime.worker import Call, NodeEntry
@@ -82,6 +83,23 @@ class Backend(abc.ABC):
 
     def worker_label(self, pool: str, rank: int) -> str:
         return f"{pool}[{rank}]"
+
+    def stacks(self, pool: str, rank: int, timeout: float = STACKS_TIMEOUT_S) -> str:
+        """The Python stack of every thread of the worker (pool, rank) runs in, taken while
+        its task may be stuck (:mod:`flowrl.runtime.hangs`); '' when the backend cannot tell."""
+        return ""
+
+    def dead_workers(self) -> list[tuple[str, int]]:
+        """The (pool, rank) of every worker whose process has died (:mod:`flowrl.runtime.restarts`)."""
+        return []
+
+    def replace(self, pool: str, rank: int) -> None:
+        """Start a new worker for a dead one, in its place, building the same roles."""
+        raise NotImplementedError(f"the {self.name} backend cannot replace a worker")
+
+    def discard(self, handles: list[Any]) -> None:
+        """Handles the runtime no longer needs, some of which will fail (a task run again): let them
+        go without reporting their errors as unhandled."""
 
     def shutdown(self) -> None:
         pass

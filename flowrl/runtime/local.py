@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from flowrl.runtime.backend import Backend, backend
+from flowrl.runtime.hangs import STACKS_TIMEOUT_S, thread_stacks
 from flowrl.runtime.pools import DRIVER, PoolSpec
 from flowrl.runtime.traits import LOCAL
 from flowrl.runtime.worker import Call, NodeEntry, Worker
@@ -73,6 +74,9 @@ class LocalBackend(Backend):
             if done or time.monotonic() >= deadline:
                 return done, [h for h in handles if not h.done()]
             time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
+
+    def stacks(self, pool: str, rank: int, timeout: float = STACKS_TIMEOUT_S) -> str:
+        return thread_stacks(names=(self._executor(pool, rank).name,))
 
     def shutdown(self) -> None:
         for q in self.queues.values():

@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import uuid
 from typing import Any
 
 from flowrl.runtime.backend import Backend, backend
 from flowrl.runtime.errors import PlacementError
+from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
 from flowrl.runtime.pools import DRIVER, PoolSpec
 from flowrl.runtime.traits import RAY
 from flowrl.runtime.worker import Call, NodeEntry, Worker
+
+
+#: a thread of each actor that answers while its task thread is busy (or stuck): stacks
+CONTROL = {"control": 1}
 
 
 @backend(RAY)
@@ -31,6 +37,7 @@ class RayBackend(Backend):
         self.actors: dict[tuple[str, int], Any] = {}
         self.groups: list[Any] = []
         self._pg_of: dict[str, Any] = {}  # pool → its placement group
+        self._pools: dict[str, PoolSpec] = {}  # what a replaced worker is started with
         self._started_ray = False
         self.pids: dict[tuple[str, int], int] = {}
 
@@ -86,7 +93,8 @@ class RayBackend(Backend):
                 f"{total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs "
                 f"({', '.join(f'{p.name}: {p.workers}×({p.cpus:g} CPU, {p.gpus:g} GPU)' for p in pools)})"
             )
-        actor_cls = ray.remote(Worker)
+        self._actor_cls = actor_cls = ray.remote(concurrency_groups=CONTROL)(Worker)
+        self._nodes, self._seed, self._strategy, self._ray = nodes, seed, PlacementGroupSchedulingStrategy, ray
         for p in pools:
             bundle = {"CPU": p.cpus} if p.cpus else {}
             if p.gpus:
@@ -106,12 +114,9 @@ class RayBackend(Backend):
                     f"{self.placement_timeout_s:g}s; available now: CPU {avail.get('CPU', 0):g}, "
                     f"GPU {avail.get('GPU', 0):g}"
                 ) from None
+            self._pools[p.name] = p
             for rank in range(p.workers):
-                strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=rank)
-                self.actors[(p.name, rank)] = actor_cls.options(
-                    num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy,
-                    name=None, max_restarts=0,
-                ).remote(p.name, rank, p.workers, p.roles, nodes, seed, max(1, int(p.cpus)), p.gpus, True)
+                self.actors[(p.name, rank)] = self._worker(p, rank)
         self._form_groups(ray, [p for p in pools if p.workers > 1])
         if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
             self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
@@ -120,6 +125,45 @@ class RayBackend(Backend):
         keys = list(self.actors)
         pids = ray.get([self.actors[k].ping.remote() for k in keys])
         self.pids = dict(zip(keys, pids))
+
+    def _worker(self, p: PoolSpec, rank: int, first_process: bool = True) -> Any:
+        """The actor of (pool ``p``, ``rank``) in its bundle of the pool's placement group."""
+        strategy = self._strategy(placement_group=self._pg_of[p.name], placement_group_bundle_index=rank)
+        return self._actor_cls.options(
+            num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy, name=None, max_restarts=0,
+        ).remote(p.name, rank, p.workers, p.roles, self._nodes, self._seed, max(1, int(p.cpus)), p.gpus, True,
+                 first_process)
+
+    def dead_workers(self) -> list[tuple[str, int]]:
+        ray = self._ray
+        # asked on the control thread, so a busy (or stopped) worker is not taken for dead
+        pings = {k: a.ping.options(concurrency_group="control").remote() for k, a in self.actors.items()}
+        dead = []
+        for key, ref in pings.items():
+            try:
+                ray.get(ref, timeout=STACKS_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                pass
+            except ray.exceptions.RayActorError:
+                dead.append(key)
+        return dead
+
+    def replace(self, pool: str, rank: int) -> None:
+        actor = self._worker(self._pools[pool], rank, first_process=False)
+        self.pids[(pool, rank)] = self._ray.get(actor.ping.remote())
+        self.actors[(pool, rank)] = actor
+
+    def discard(self, handles: list[Any]) -> None:
+        # an ObjectRef whose error is never read is printed as an "Unhandled error" when it goes:
+        # read each (on a thread: the doomed tasks fail when their inputs do) and let it go
+        def drain() -> None:
+            for h in handles:
+                try:
+                    self._ray.get(h)
+                except Exception:  # noqa: BLE001 - the task was run again; its error means nothing now
+                    pass
+
+        threading.Thread(target=drain, name="flowrl-discard", daemon=True).start()
 
     def _form_groups(self, ray: Any, pools: list[PoolSpec]) -> None:
         """Every pool of N > 1: rank 0 listens, all ranks join (at once) and build their roles."""
@@ -162,6 +206,17 @@ class RayBackend(Backend):
         pid = self.pids.get((pool, rank))
         return f"{pool}[{rank}]" + (f" (pid {pid})" if pid else "")
 
+    def stacks(self, pool: str, rank: int, timeout: float = STACKS_TIMEOUT_S) -> str:
+        ray = self._ray
+        # answered on the actor's control thread: its task thread may be the one that is stuck
+        ref = self.actors[(pool, rank)].stacks.options(concurrency_group="control").remote()
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            return unanswered(self.worker_label(pool, rank), self.pids.get((pool, rank)), timeout)
+        except ray.exceptions.RayError as e:
+            return f"{self.worker_label(pool, rank)} could not send its stacks: {type(e).__name__}"
+
     def shutdown(self) -> None:
         import ray
 
@@ -182,6 +237,7 @@ class RayBackend(Backend):
         self.actors.clear()
         self.groups.clear()
         self._pg_of.clear()
+        self._pools.clear()
         if self._started_ray:
             ray.shutdown()
 

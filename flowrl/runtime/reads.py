@@ -20,20 +20,26 @@ Example::
 from __future__ import annotations
 
 import functools
+
+import numpy as np
 from typing import Any, Iterable
 
 from flowrl.data import DataProto, DataProtoFuture
-from flowrl.data.dispatch import concat_rows
+from flowrl.data.dispatch import DROPPED, concat_rows
 from flowrl.data.expand import take_rows
 from flowrl.graph import SOURCE
 from flowrl.runtime.plan import Plan, Read, Task, TaskKey
 
 
 def union_columns(parts: list[DataProto]) -> DataProto:
-    """The reads of one task side by side: one batch with every read's columns."""
+    """The reads of one task side by side: one batch with every read's columns; a row
+    dropped in any read (``on_error: drop_group``) is dropped in the union."""
+    marks = [p.non_tensor_batch.pop(DROPPED) for p in parts if DROPPED in p.non_tensor_batch]
     out = parts[0]
     for p in parts[1:]:
         out = out.union(p)
+    if marks:
+        out.non_tensor_batch[DROPPED] = np.logical_or.reduce([np.asarray(m, dtype=bool) for m in marks])
     return out
 
 
@@ -67,7 +73,16 @@ def fetched(plan: Plan, fields: Iterable[str], src: Any, outputs: dict[TaskKey, 
                   if node != SOURCE else ((SOURCE, None),), tuple(names), None, target // plan.spaces[node].factor)
              for node, names in by_node.items()]
     futures = [read_future(r, src, outputs) for r in reads]
-    return futures[0] if len(futures) == 1 else DataProtoFuture(futures, collect_fn=union_columns)
+    return DataProtoFuture([futures[0] if len(futures) == 1 else DataProtoFuture(futures, collect_fn=union_columns)],
+                           collect_fn=complete_rows)
 
 
-__all__ = ["fetched", "read_future", "task_input", "union_columns"]
+def complete_rows(parts: list[DataProto]) -> DataProto:
+    """The rows of a fetch no node dropped (``on_error: drop_group``): a dump never shows a dropped
+    row's placeholder values as if they were results."""
+    data = parts[0]
+    mask = data.non_tensor_batch.pop(DROPPED, None)
+    return data if mask is None or not np.any(mask) else data.select_idxs(~np.asarray(mask, dtype=bool))
+
+
+__all__ = ["complete_rows", "fetched", "read_future", "task_input", "union_columns"]

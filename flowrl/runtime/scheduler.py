@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -36,12 +36,16 @@ from flowrl.data.dispatch import get_mode
 from flowrl.graph import Graph
 from flowrl.runtime.backends import Backend, describe_death, make_backend
 from flowrl.runtime.errors import NodeError, RuntimeFailure, WorkerDiedError
+from flowrl.runtime.faults import Fault, fault_from_env
 from flowrl.runtime.plan import Plan, Task, make_plan
 from flowrl.runtime.reads import fetched, task_input
+from flowrl.runtime.refill import keyed_draw, refill_of, refill_step
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
+from flowrl.runtime.restarts import Restarts, replace_dead
+from flowrl.runtime.rowspace import input_space
 from flowrl.runtime.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
-from flowrl.runtime.watchdog import check_timeouts
+from flowrl.runtime.watchdog import check_timeouts, get_within
 from flowrl.runtime.worker import Call, Info, NodeEntry
 
 TaskKey = tuple[str, int | None]
@@ -65,6 +69,9 @@ class _Step:
     outputs: dict[TaskKey, DataProtoFuture] = field(default_factory=dict)
     reports: dict[Any, tuple[TaskKey | None, str, int]] = field(default_factory=dict)  # handle → (task, pool, rank)
     first_report: dict[TaskKey, Any] = field(default_factory=dict)  # a task's report on its first rank
+    batch: DataProto | None = None  # the source batch (a refill replaces prompts in it)
+    state_in: dict[str, Any] = field(default_factory=dict)  # operator states the step started from
+    faults: Counter[str] = field(default_factory=Counter)  # restarts, refills: faults/<name>
 
 
 class Runtime:
@@ -103,6 +110,8 @@ class Runtime:
         self._worker_free: dict[tuple[str, int], float] = {}  # when each worker last finished a task
         self._stop = False
         self._started = False
+        self._in_flight: deque[_Step] = deque()  # the steps submitted behind the one being finished
+        self.restarts = Restarts({p: cfg.max_restarts for p, cfg in graph.config.pools.items()})
         self._stage = stage or (lambda t: Path(tempfile.gettempdir()) / f"flowrl-shards-{os.getpid()}-{id(self)}"
                                 / f"step_{t + 1:08d}")
 
@@ -110,7 +119,8 @@ class Runtime:
     def start(self) -> "Runtime":
         if self._started:
             return self
-        nodes = {p.kind: _entries(p.graph) for p in self.plan.runs()}
+        fault = fault_from_env()
+        nodes = {p.kind: _entries(p, fault) for p in self.plan.runs()}
         # no idle driver process when every node runs in a pool
         self.backend.start(self.plan.pools, nodes, self.graph.config.trainer.seed, driver=self.plan.driver)
         self._started = True
@@ -142,6 +152,7 @@ class Runtime:
         self._stop = False
         source = batches if hasattr(batches, "__next__") else iter(batches)
         in_flight: deque[_Step] = deque()
+        self._in_flight = in_flight
         t = start_step
         end = start_step + steps
         try:
@@ -181,7 +192,8 @@ class Runtime:
         if problems:
             raise DataSourceMismatch(f"step {t + 1}: the data source's batch does not match the columns it declares: "
                                      + "; ".join(problems))
-        st = _Step(t, time.time(), plan, src=self.backend.put(batch))
+        st = _Step(t, time.time(), plan, src=self.backend.put(batch), batch=batch,
+                   state_in=dict(self._op_state[plan.kind]))
         for key in plan.order:
             self._submit_task(st, plan.tasks[key])
         return st
@@ -225,6 +237,7 @@ class Runtime:
     # ------------------------------------------------------------------ waiting
     def _finish(self, st: _Step) -> StepResult:
         pending = dict(st.reports)
+        received: set[Any] = set()
         ended: dict[TaskKey, float] = {}
         infos: list[Info] = []
         label = self.backend.worker_label
@@ -234,10 +247,14 @@ class Runtime:
             for h, outcome in done:
                 key, pool, rank = pending.pop(h)
                 if isinstance(outcome, BaseException):
+                    if self._recovered(st, outcome):  # the lost tasks run again (new worker, new prompts)
+                        pending = {h: v for h, v in st.reports.items() if h not in received}
+                        break
                     if self.on_progress is not None and key is not None and training:
                         self.on_progress(st.step, {**node_states(st.plan, ended), key[0]: "failed"})
                     raise self._failure(outcome, st.step, key, pool, rank) from None
                 info: Info = outcome
+                received.add(h)
                 if key is not None:
                     ended[key] = max(ended.get(key, 0.0), info.end)
                     infos.append(info)
@@ -245,13 +262,15 @@ class Runtime:
                 self.timeline.add(info)
             if done and self.on_progress is not None and training:
                 self.on_progress(st.step, node_states(st.plan, ended))
-            check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free, label)
+            check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free, label,
+                           self.backend.stacks)
         if training:
             self.versions.finished(st.step)
         metrics, makespan, bound = step_metrics(st.plan, infos, st.submitted_at)
         if training:
             extra, self._last_step_end = pipeline_metrics(st.plan, infos, self._last_step_end)
             metrics.update(extra)
+        metrics.update({f"faults/{k}": float(v) for k, v in st.faults.items() if k != "refill_rounds"})
         data = self._collect(st) if self.fetch and training else None
         result = StepResult(st.step, metrics, infos, makespan, bound, data)
         if st.snapshot is not None:
@@ -260,6 +279,20 @@ class Runtime:
             val = self._finish(st.validation)
             result.val_metrics = {f"val/{k}": v for k, v in val.metrics.items() if not k.startswith("scheduler/")}
         return result
+
+    def _recovered(self, st: _Step, exc: BaseException) -> bool:
+        steps, op_state = [st, *self._in_flight], self._op_state[st.plan.kind]
+        need = refill_of(exc)
+        if need is not None:  # raises when the step cannot be refilled
+            return refill_step(need, steps, self.backend, self.versions.syncs, self._submit_task, op_state,
+                               keyed_draw(self.graph.config), self._requeue_snapshot)
+        return replace_dead(self.backend, self.restarts, self.versions.syncs, steps, self._submit_task, op_state, exc,
+                            self._requeue_snapshot)
+
+    def _requeue_snapshot(self, st: _Step) -> None:
+        """A step run again: its checkpoint is taken again behind it (with the data position it had)."""
+        if st.snapshot is not None:
+            st.snapshot = {**self._queue_snapshot(st.step, None), "source": st.snapshot["source"]}
 
     def _failure(self, exc: BaseException, step: int, key: TaskKey | None, pool: str, rank: int) -> RuntimeFailure:
         cause = getattr(exc, "cause", None)
@@ -306,7 +339,10 @@ class Runtime:
             value = self.backend.get(h)
             return value.state if isinstance(value, Info) else value
 
-        return {**snap, "workers": {k: self.backend.get(h) for k, h in snap["workers"].items()},
+        limit, get = self.graph.config.schedule.timeout_s, self.backend.get
+        return {**snap, "workers": {k: get_within(get, h, limit, f"the state of {self.backend.worker_label(*k)} for "
+                                                  f"the checkpoint of step {snap['step'] + 1}")
+                                    for k, h in snap["workers"].items()},
                 "weights": {k: self.backend.get(h) for k, h in snap["weights"].items()},
                 "operator_state": {n: state_of(h) for n, h in snap["operator_state"].items()}}
 
@@ -345,12 +381,15 @@ class Runtime:
         self.close()
 
 
-def _entries(graph: Graph) -> dict[str, NodeEntry]:
-    """What workers need to run each node of ``graph``."""
+def _entries(plan: Plan, fault: Fault | None = None) -> dict[str, NodeEntry]:
+    """What workers need to run each node of ``plan``'s graph (``fault``: the fault switch)."""
+    graph = plan.graph
     return {
         n: NodeEntry(node.op, node.params, node.role,
-                              inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
-                              outputs=dict(node.config.outputs), name=n)
+                     inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
+                     outputs=dict(node.config.outputs), name=n, on_error=node.config.on_error,
+                     group=input_space(graph, plan.spaces, n).factor,
+                     fault=fault if fault is not None and fault.node == n else None)
         for n, node in graph.nodes.items()
     }
 

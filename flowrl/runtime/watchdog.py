@@ -4,9 +4,14 @@ A task is timed from when its inputs were done and its worker was free for it
 (not from when it was queued), so a slow upstream node or a long queue is never
 blamed on the task behind it: that node's own watchdog fires first.
 
+The error carries the stuck worker's Python stacks, every thread
+(:mod:`flowrl.runtime.hangs`), so it says which line the operator is stuck on.
+Every node has a timeout: its own ``timeout_s``, else ``schedule.timeout_s``
+(one hour unless set; ``null`` turns it off).
+
 Example::
 
-    check_timeouts(plan, graph, pending, ended, submitted_at, worker_free, default_s, label)
+    check_timeouts(step, plan, graph, pending, ended, submitted_at, worker_free, label, stacks)
 """
 
 from __future__ import annotations
@@ -30,16 +35,26 @@ def check_timeouts(
     submitted_at: float,
     worker_free: dict[tuple[str, int], float],
     label: Callable[[str, int], str],
+    stacks: Callable[[str, int], str] | None = None,
 ) -> None:
     """Raise :class:`NodeTimeoutError` for the first pending task past its ``timeout_s``.
 
-    ``pending`` maps a handle to ``(task key or None for a sync/snapshot, pool, rank)``.
+    ``pending`` maps a handle to ``(task key or None for a sync/snapshot, pool, rank)``;
+    ``stacks(pool, rank)``: that worker's Python stacks, shown in the error.
     """
     now = time.time()
     default = graph.config.schedule.timeout_s
     busy = {(pool, rank) for k, pool, rank in pending.values() if k is None}  # syncs, snapshots
-    for key, pool, rank in pending.values():
-        if key is None:
+    first: dict[tuple[str, int], object] = {}  # each worker's earliest pending handle (reports are in submit order)
+    for h, (_, pool, rank) in pending.items():
+        first.setdefault((pool, rank), h)
+    for h, (key, pool, rank) in pending.items():
+        if key is None:  # a weight sync: timed from when its worker was free for it
+            ready = max(submitted_at, worker_free.get((pool, rank), 0.0))
+            if default is not None and first[(pool, rank)] is h and now - ready > default:
+                raise NodeTimeoutError(
+                    f"loading weights on {label(pool, rank)} (for step {step + 1}) has taken {now - ready:.1f}s, "
+                    f"past schedule.timeout_s={default:g}" + _where(pool, rank, label, stacks))
             continue
         limit = graph.nodes[key[0]].timeout_s or default
         if limit is None:
@@ -60,8 +75,24 @@ def check_timeouts(
                 f"node {key[0]!r} (step {step + 1}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
                 + f") has run {now - ready:.1f}s on {label(pool, rank)}, past its "
                 f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were ready and its "
-                f"worker free, so it is the operator itself that is slow or stuck"
+                f"worker free, so it is the operator itself that is slow or stuck" + _where(pool, rank, label, stacks)
             )
 
 
-__all__ = ["check_timeouts"]
+def _where(pool: str, rank: int, label: Callable[[str, int], str], stacks: Callable[[str, int], str] | None) -> str:
+    """The stuck worker's stacks, as the tail of a timeout's message."""
+    where = stacks(pool, rank) if stacks is not None else ""
+    return f"\n--- where {label(pool, rank)} is (every thread, innermost call last) ---\n{where.rstrip()}" if where else ""
+
+
+def get_within(get: Callable[..., object], handle: object, limit: float | None, what: str) -> object:
+    """``get(handle)`` within ``limit`` seconds (None: no limit), else a :class:`NodeTimeoutError` naming ``what``."""
+    try:
+        return get(handle, timeout=limit)
+    except Exception as e:
+        if "Timeout" not in type(e).__name__:  # Ray's GetTimeoutError, concurrent.futures' TimeoutError
+            raise
+        raise NodeTimeoutError(f"{what} did not come within schedule.timeout_s={limit:g}") from None
+
+
+__all__ = ["check_timeouts", "get_within"]

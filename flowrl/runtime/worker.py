@@ -24,9 +24,12 @@ from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import RowKeys, get_mode
 from flowrl.data.expand import RowCountError, check_rows
 from flowrl.graph import OperatorSpec, Params
+from flowrl.graph.config import OnErrorConfig
 from flowrl.runtime.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
+from flowrl.runtime.faults import Fault, Injector, RefillNeeded, run_guarded
+from flowrl.runtime.hangs import thread_stacks
 from flowrl.runtime.pools import RoleBuild
 
 
@@ -56,6 +59,9 @@ class NodeEntry:
     inputs: dict[str, str] = field(default_factory=dict)  # graph field → operator field
     outputs: dict[str, str] = field(default_factory=dict)  # operator field → graph field
     name: str = ""  # the node's name, for errors
+    on_error: OnErrorConfig | None = None  # the node's failure policy (:mod:`flowrl.runtime.faults`)
+    group: int = 1  # input rows per prompt: a group, for on_error drop_group without a uid column
+    fault: Fault | None = None  # the fault switch, when it names this node
 
 
 @dataclass
@@ -131,10 +137,12 @@ class Worker:
         threads: int = 1,
         gpus: float = 0.0,
         distributed: bool = False,
+        first_process: bool = True,
     ) -> None:
         """``distributed``: the pool's ranks form a process group, so the roles are built
         by :meth:`join_group` once every rank has started (rank 0 first calls :meth:`listen`).
-        ``nodes``: per plan (``train``, ``val``), what running each of its nodes needs."""
+        ``nodes``: per plan (``train``, ``val``), what running each of its nodes needs.
+        ``first_process``: False for a worker that replaces a dead one (a ``kill`` fault fires once)."""
         import torch
 
         self.threads = max(1, threads)
@@ -147,6 +155,8 @@ class Worker:
         self.versions: dict[str, int] = {}
         self._builds, self._seed, self._gpus = roles, seed, gpus
         self._listener = None
+        self._faults = {(plan, n): Injector(e.fault, first_process) for plan, es in nodes.items()
+                        for n, e in es.items() if e.fault is not None}
         self.group = PoolGroup.single(pool, _device(gpus))
         if not (distributed and world_size > 1):
             self._build_roles()
@@ -215,7 +225,15 @@ class Worker:
             batch, tags = mode.split(whole, call.rank, call.world, call.keys)
             if state is not None:
                 batch.meta_info[entry.op.state.key] = state
-            out, metrics = self._run(entry, role_obj, batch)
+            inject = self._faults.get((call.plan, call.node))
+
+            def run(rows: DataProto) -> tuple[DataProto, dict[str, float]]:
+                if inject is not None:
+                    inject(call.node, call.step, call.rank, call.mb)
+                return self._run(entry, role_obj, rows)
+
+            out, metrics = run_guarded(run, batch, entry.on_error, entry.group, call.factor,
+                                       (call.node, call.step, call.mb))
             out = mode.tag(out, tags, call.factor)
             if state is not None:
                 batch.meta_info.pop(entry.op.state.key, None)
@@ -223,6 +241,8 @@ class Worker:
                 owner = self.owner[entry.role]
                 self.versions[owner] += 1
                 self._set_version(owner)
+        except RefillNeeded:
+            raise  # the driver refills the step (flowrl.runtime.refill)
         except (StalenessError, NonFiniteOutput, RowCountError) as e:
             raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
         except Exception as e:
@@ -307,6 +327,10 @@ class Worker:
 
     def ping(self) -> int:
         return os.getpid()
+
+    def stacks(self) -> str:
+        """Every thread's Python stack in this process (asked on a control thread while a task may be stuck)."""
+        return thread_stacks()
 
     def _set_version(self, owner: str) -> None:
         for name, o in self.owner.items():

@@ -1,0 +1,105 @@
+"""A task past its timeout fails with the stuck worker's Python stack; every node has a default timeout."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+
+import pytest
+
+import tests.graph_ops as ops
+from flowrl.graph.config import ScheduleConfig
+from flowrl.runtime import faults
+from flowrl.runtime.errors import NodeTimeoutError
+from flowrl.runtime.scheduler import Runtime
+from tests.test_runtime import BIG, batches, graph_from
+
+
+def _line_of(fn, text: str) -> int:
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+SLEEP = f'graph_ops.py", line {_line_of(ops.fault.fn if hasattr(ops.fault, "fn") else ops.fault, "time.sleep(3600)")}'
+
+
+def _hang(backend: str, tmp_path, **node) -> NodeTimeoutError:
+    g = graph_from("ppo.yaml", tmp_path, nodes__fault={"op": "test.fault", "role": "critic", "mode": "hang",
+                                                      "timeout_s": 1.0, **node})
+    rt = Runtime(g, backend=backend, resources=BIG)
+    try:
+        with pytest.raises(NodeTimeoutError) as exc:
+            list(rt.run(batches(4), steps=1))
+    finally:
+        rt.close()
+    return exc.value
+
+
+def test_a_hung_operator_fails_with_the_line_it_sleeps_on_local(tmp_path):
+    msg = str(_hang("local", tmp_path))
+    assert "past its timeout_s=1" in msg and "every thread" in msg
+    assert SLEEP in msg and "in fault" in msg
+
+
+def test_a_hung_operator_fails_with_the_line_it_sleeps_on_ray(ray_session, tmp_path):
+    msg = str(_hang("ray", tmp_path))
+    assert "critic[0]" in msg and SLEEP in msg and "in fault" in msg
+
+
+def test_the_fault_switch_hangs_a_chosen_node_and_the_stack_names_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(faults.FAULT_ENV, "node=fault,step=1,kind=hang")
+    msg = str(_hang("local", tmp_path, mode="raise"))  # the switch fires before the operator runs
+    assert f'faults.py", line {_line_of(faults._sleep_forever, "time.sleep")}' in msg
+
+
+def test_a_stopped_worker_is_named_as_stopped(ray_session, tmp_path):
+    g = graph_from("ppo.yaml", tmp_path, nodes__values={"op": "test.values", "role": "critic", "timeout_s": 2.0})
+    rt = Runtime(g, backend="ray", resources=BIG).start()
+    pid = rt.backend.pids[("critic", 0)]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(NodeTimeoutError) as exc:
+            list(rt.run(batches(4), steps=1))
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        rt.close()
+    msg = str(exc.value)
+    assert "node 'values'" in msg and "did not answer for its stacks" in msg and "stopped" in msg
+
+
+def test_every_node_has_a_generous_default_timeout_that_can_be_changed_or_lifted():
+    assert ScheduleConfig().timeout_s == 3600.0
+    assert ScheduleConfig(timeout_s=None).timeout_s is None
+    assert ScheduleConfig(timeout_s=30).timeout_s == 30
+
+
+def test_a_weight_sync_past_the_default_timeout_is_named_with_the_stack(tmp_path):
+    import time
+
+    from flowrl.runtime.plan import make_plan
+    from flowrl.runtime.watchdog import check_timeouts
+
+    g = graph_from("ppo.yaml", tmp_path, schedule={"timeout_s": 0.5})
+    plan = make_plan(g)
+    sync, queued = object(), object()
+    pending = {sync: (None, "critic", 0), queued: (plan.pool_order["critic"][0], "critic", 0)}
+    with pytest.raises(NodeTimeoutError) as exc:
+        check_timeouts(0, plan, g, pending, {}, time.time() - 2, {}, lambda p, r: f"{p}[{r}]",
+                       lambda p, r: 'File "x.py", line 3, in set_weights')
+    msg = str(exc.value)
+    assert "loading weights on critic[0] (for step 1)" in msg and "schedule.timeout_s=0.5" in msg
+    assert 'line 3, in set_weights' in msg
+    # behind a task still pending on its worker, a sync is queued, not stuck
+    check_timeouts(0, plan, g, {queued: pending[queued], sync: pending[sync]}, {}, time.time() - 2, {},
+                   lambda p, r: f"{p}[{r}]")
+
+
+def test_a_checkpoint_state_that_never_comes_is_named():
+    import concurrent.futures as cf
+
+    from flowrl.runtime.watchdog import get_within
+
+    with pytest.raises(NodeTimeoutError) as exc:
+        get_within(lambda h, timeout: h.result(timeout=timeout), cf.Future(), 0.05, "the state of gen[0]")
+    assert "the state of gen[0] did not come within schedule.timeout_s=0.05" in str(exc.value)
