@@ -142,6 +142,11 @@ class TrainableRole:
         """The full weights, on CPU. Sharded: a collective on every rank, the dict on rank 0 (None elsewhere)."""
         return self.train_engine.get_weights()
 
+    def weights_for_digest(self) -> Any:
+        """``(name, tensor)`` of this rank's weights (its shards when sharded; no collective): what
+        the runtime's fingerprints digest after an update and before every task."""
+        return self.model.state_dict().items()
+
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full weights (another pool's :meth:`get_weights`); sharded: each rank copies its part."""
         self._load_full_model(weights)
@@ -257,6 +262,11 @@ class Actor(TrainableRole):
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         super().set_weights(weights)
         self._push_to_rollout(weights.items(), None)
+
+    def rollout_weights_for_digest(self) -> Any:
+        """The weights generation runs on: the model's, unless the rollout engine keeps its own copy
+        (vLLM, sglang: checked against the model after every push instead, ``check_weights``)."""
+        return self.weights_for_digest() if self._engine is None or self._engine_shares_model() else None
 
     def _engine_shares_model(self) -> bool:
         return engine_spec(self.cfg.rollout.engine).shares_model

@@ -27,6 +27,7 @@ from flowrl.graph import OperatorSpec, Params
 from flowrl.runtime.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
+from flowrl.runtime.fingerprints import role_weights, source_prints, task_prints
 from flowrl.runtime.pools import RoleBuild
 
 
@@ -56,6 +57,8 @@ class NodeEntry:
     inputs: dict[str, str] = field(default_factory=dict)  # graph field → operator field
     outputs: dict[str, str] = field(default_factory=dict)  # operator field → graph field
     name: str = ""  # the node's name, for errors
+    fingerprint: bool = False  # report the output's fingerprints (flowrl.runtime.fingerprints)
+    source_inputs: tuple[str, ...] = ()  # the data-source fields it reads (fingerprinted by their first reader)
 
 
 @dataclass
@@ -99,6 +102,7 @@ class Info:
     metrics: dict[str, float] = field(default_factory=dict)
     state: dict[str, Any] | None = None  # a stateful operator's state after this task
     plan: str = "train"  # the plan its task belongs to ("val": the validation run)
+    prints: dict[str, Any] | None = None  # fingerprints of the output and the weights used
 
 
 class NonFiniteOutput(ValueError):
@@ -113,7 +117,10 @@ def non_finite(out: DataProto, metrics: dict[str, float]) -> list[str]:
 
     bad = [f"{k}={v}" for k, v in metrics.items() if not math.isfinite(v)]
     if out.batch is not None:
-        bad += [k for k, t in out.batch.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        for k, t in out.batch.items():
+            rows = (~torch.isfinite(t.reshape(len(t), -1))).any(dim=1).nonzero() if t.is_floating_point() else []
+            if len(rows):  # the first row, so that it can be found in a dump or a replay
+                bad.append(f"{k} (first at row {int(rows[0])} of {len(t)})")
     return bad
 
 
@@ -215,8 +222,12 @@ class Worker:
             batch, tags = mode.split(whole, call.rank, call.world, call.keys)
             if state is not None:
                 batch.meta_info[entry.op.state.key] = state
+            printing = entry.fingerprint and call.plan == "train"  # training steps only
+            used = role_weights(role_obj, used=not entry.op.updates_role) if printing else None
+            source = source_prints(batch, entry.source_inputs) if printing else {}
             out, metrics = self._run(entry, role_obj, batch)
             out = mode.tag(out, tags, call.factor)
+            prints = self._prints(entry, role_obj, out, batch, source, used) if printing else None
             if state is not None:
                 batch.meta_info.pop(entry.op.state.key, None)
             if entry.op.updates_role:
@@ -229,8 +240,19 @@ class Worker:
             raise NodeError(call.node, call.step, call.mb, self.label, f"{type(e).__name__}: {e}",
                             traceback.format_exc()) from None
         info = Info(call.node, call.step, call.mb, self.pool, self.rank, os.getpid(), start, time.time(),
-                    len(batch), version, metrics, state, call.plan)
+                    len(batch), version, metrics, state, call.plan, prints)
         return out, info
+
+    @staticmethod
+    def _prints(entry: NodeEntry, role_obj: Any, out: DataProto, batch: DataProto, source: dict[str, Any],
+                used: str | None) -> dict[str, Any]:
+        """The task's fingerprints: its output, and the weights it ran on and left."""
+        prints = task_prints(out, batch, source)
+        if used is not None:
+            prints["weights"] = {"role": entry.role, "used": used}
+            if entry.op.updates_role:
+                prints["weights"]["after"] = role_weights(role_obj)
+        return prints
 
     def _run(self, entry: NodeEntry, role_obj: Any, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """The operator on ``batch`` (graph field names in and out), its output checked."""
@@ -273,7 +295,10 @@ class Worker:
         owner = self.owner[role]
         self.versions[owner] = version
         self._set_version(owner)
-        return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version)
+        # what the invariants compare with what the update left
+        arrived = role_weights(obj) if any(e.fingerprint for e in self.nodes.get("train", {}).values()) else None
+        return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version,
+                    prints={"role": role, "digest": arrived} if arrived is not None else None)
 
     def get_state(self, shards: str | None = None) -> dict[str, Any]:
         """Every role's state and weight version, for a checkpoint: the roles' tensors written
