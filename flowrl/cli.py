@@ -26,6 +26,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from flowrl import cli_debug
 from flowrl.graph import GraphError, REGISTRY, load_graph
 from flowrl.graph.checks import GraphProblem
 from flowrl.runtime.traits import traits_of
@@ -376,6 +377,9 @@ def _describe_op(name: str) -> None:
     for row in op.param_table():
         params.add_row(*(_escape(x) for x in row))
     console.print(params if op.params.model_fields else "no parameters")
+
+
+app.command("diff")(cli_debug.diff)
 
 
 def main() -> None:  # pragma: no cover - console entry point

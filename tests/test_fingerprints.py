@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from flowrl.graph import load_graph
-from flowrl.runtime.fingerprints import (FingerprintFileError, field_print, read_prints, step_record,
-                                         weights_digest)
+from flowrl.runtime.fingerprints import field_print, step_record, weights_digest
+from flowrl.runtime.rundiff import FingerprintFileError, read_prints
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.trainer import Trainer
 from tests.test_runtime import BIG, batches, graph_from

@@ -37,21 +37,15 @@ from flowrl.data import DataProto
 from flowrl.data.dispatch import ROW_INDEX, task_rows
 from flowrl.graph import Graph
 from flowrl.runtime.invariants import Invariants
+from flowrl.runtime.rundiff import FILE, SOURCE
 from flowrl.runtime.sinks import read_metrics
 
 if TYPE_CHECKING:
     from flowrl.runtime.plan import Plan
 
-FILE = "fingerprints.jsonl"
 #: hex characters of one row's digest (48 bits: enough to point at the rows that differ)
 ROW_HEX = 12
 MASK = "response_mask"
-#: the pseudo-node whose outputs are the data source's fields
-SOURCE = "<data>"
-
-
-class FingerprintFileError(ValueError):
-    """A fingerprints file that is missing or cannot be read."""
 
 
 # ---------------------------------------------------------------------- worker side
@@ -257,23 +251,5 @@ class FingerprintLog:
             self.file.close()
 
 
-def read_prints(run: Path, warn: Callable[[str], None] = lambda m: None) -> tuple[dict[str, Any], list[dict]]:
-    """``(header, step records)`` of a run directory (or its ``fingerprints.jsonl``); an error
-    naming the file when it is missing or damaged."""
-    path = Path(run)
-    path = path / FILE if path.is_dir() else path
-    if not path.is_file():
-        raise FingerprintFileError(f"{path}: no fingerprints file (a run writes one unless "
-                                   f"trainer.fingerprints is false); check the run directory")
-    try:
-        rows = [row for _, row in read_metrics(path, warn=warn)]
-    except ValueError as e:
-        raise FingerprintFileError(str(e).replace("not a metrics row", "not a fingerprint record")) from None
-    if not rows or "header" not in rows[0]:
-        raise FingerprintFileError(f"{path}: the first line is not a fingerprint header; the file is damaged "
-                                   f"or not a flowrl fingerprints file")
-    return rows[0]["header"], [r for r in rows[1:] if "step" in r]
-
-
-__all__ = ["FILE", "SOURCE", "FingerprintFileError", "FingerprintLog", "field_print", "graph_header",
-           "read_prints", "role_weights", "source_prints", "step_record", "task_prints", "weights_digest"]
+__all__ = ["FingerprintLog", "field_print", "graph_header", "role_weights", "source_prints", "step_record",
+           "task_prints", "weights_digest"]
