@@ -263,11 +263,6 @@ class Actor(TrainableRole):
         super().set_weights(weights)
         self._push_to_rollout(weights.items(), None)
 
-    def rollout_weights_for_digest(self) -> Any:
-        """The weights generation runs on: the model's, unless the rollout engine keeps its own copy
-        (vLLM, sglang: checked against the model after every push instead, ``check_weights``)."""
-        return self.weights_for_digest() if self._engine is None or self._engine_shares_model() else None
-
     def _engine_shares_model(self) -> bool:
         return engine_spec(self.cfg.rollout.engine).shares_model
 

@@ -94,3 +94,46 @@ def test_fingerprints_can_be_turned_off_and_a_damaged_file_is_named(tmp_path):
     (tmp_path / "fingerprints.jsonl").write_text(json.dumps({"header": {}}) + "\nnot json\n{}\n")
     with pytest.raises(FingerprintFileError, match="line 2"):
         read_prints(tmp_path)
+
+
+def _digest_on_rank(rank: int, port: int, weights: dict, queue) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        for dim in (0, 1):  # rows split unevenly (5 rows: FSDP2's way), then columns
+            sharded = [(k, distribute_tensor(v, mesh, [Shard(min(dim, v.dim() - 1))])) for k, v in weights.items()]
+            queue.put((rank, dim, weights_digest(sharded)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_digest_of_weights_sharded_by_rows_is_the_whole_weights_digest():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from flowrl.runtime.fingerprints import combine_digests
+
+    weights = {"w": torch.randn(5, 3), "b": torch.randn(7), "h": torch.randn(4, 6).to(torch.bfloat16)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_digest_on_rank, args=(r, port, weights, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=120) for _ in range(4)]
+    for p in procs:
+        p.join(timeout=60)
+    whole = weights_digest(weights.items())
+    parts = [d for _, k, d in got if k == 0]
+    assert all(d.startswith("p:") for d in parts) and parts[0] != parts[1]
+    assert combine_digests(parts) == whole
+    assert [d for _, k, d in got if k == 1] == [None, None]  # not whole rows: no digest rather than a wrong one
+    assert combine_digests([whole, whole]) == whole  # full copies on every rank: not added

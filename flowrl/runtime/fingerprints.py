@@ -24,14 +24,15 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
-import numpy as np
 import torch
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from flowrl.data import DataProto
 from flowrl.data.dispatch import ROW_INDEX, task_rows
@@ -45,38 +46,40 @@ if TYPE_CHECKING:
 
 #: hex characters of one row's digest (48 bits: enough to point at the rows that differ)
 ROW_HEX = 12
+ROW_MASK = (1 << 4 * ROW_HEX) - 1
 MASK = "response_mask"
 
 
 # ---------------------------------------------------------------------- worker side
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    """``[rows, bytes]`` of a tensor's exact contents."""
-    t = t.detach().cpu().contiguous()
-    local = getattr(t, "to_local", None)  # a DTensor shard: this rank's part
-    if local is not None:
-        t = local().contiguous()
-    rows = t.shape[0] if t.dim() else 1
-    return t.reshape(rows, -1).view(torch.uint8).numpy() if t.numel() else np.zeros((rows, 0), np.uint8)
-
-
 def _row_digests(value: Any) -> list[str]:
+    """One digest per row: of a tensor row's exact bits (vectorised, :func:`_mixed_rows`), of an
+    object's ``repr`` (each distinct object once: rows repeated per sample share theirs)."""
     if isinstance(value, torch.Tensor):
-        return [hashlib.blake2b(r.tobytes(), digest_size=ROW_HEX // 2).hexdigest() for r in _as_bytes(value)]
-    return [hashlib.blake2b(repr(v).encode(), digest_size=ROW_HEX // 2).hexdigest() for v in value]
+        mixed = _mixed_rows(value.detach(), None, f"{value.dtype}|{tuple(value.shape[1:])}")
+        return [f"{x & ROW_MASK:012x}" for x in mixed.tolist()]
+    seen: dict[int, str] = {}
+    out = []
+    for v in value:
+        if id(v) not in seen:
+            seen[id(v)] = hashlib.blake2b(repr(v).encode(), digest_size=ROW_HEX // 2).hexdigest()
+        out.append(seen[id(v)])
+    return out
 
 
 def _stats(t: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
     """Sum, count, min, max, NaN and inf of a float tensor (over ``mask`` where given); the
     first row holding a NaN or inf."""
-    values = t.detach().double()
+    values = t.detach()
     real = values[mask.bool()] if mask is not None else values.reshape(-1)
-    finite = real[torch.isfinite(real)]
-    bad_rows = (~torch.isfinite(values.reshape(values.shape[0], -1))).any(dim=1).nonzero() if values.dim() else []
-    return {"n": int(finite.numel()), "sum": float(finite.sum()) if finite.numel() else 0.0,
+    ok = torch.isfinite(real)
+    finite = real[ok]
+    nan = int(torch.isnan(real).sum())
+    inf = real.numel() - finite.numel() - nan
+    bad_rows = (~torch.isfinite(values.reshape(values.shape[0], -1))).any(dim=1).nonzero() if nan or inf else []
+    return {"n": int(finite.numel()), "sum": float(finite.double().sum()) if finite.numel() else 0.0,
             "min": float(finite.min()) if finite.numel() else None,
             "max": float(finite.max()) if finite.numel() else None,
-            "nan": int(torch.isnan(real).sum()), "inf": int(torch.isinf(real).sum()),
-            "first_bad": int(bad_rows[0]) if len(bad_rows) else None}
+            "nan": nan, "inf": inf, "first_bad": int(bad_rows[0]) if len(bad_rows) else None}
 
 
 def field_print(value: Any, mask: torch.Tensor | None = None) -> dict[str, Any]:
@@ -90,23 +93,96 @@ def field_print(value: Any, mask: torch.Tensor | None = None) -> dict[str, Any]:
     return {"rows": _row_digests(value), "shape": shape, "dtype": dtype, **stats}
 
 
+@functools.lru_cache(maxsize=4096)
+def _odd(text: str) -> int:
+    """A 64-bit odd multiplier from ``text``, as torch's signed int64 holds it."""
+    v = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") | 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """A logical right shift of int64 (torch's is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+_COLUMN_WEIGHTS: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
+
+
+def _column_weights(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Fixed odd multipliers, one per column of a row of ``width`` elements: int32 for elements of
+    up to 4 bytes (an odd multiplier is a bijection mod 2^32: no bit is lost), int64 above."""
+    key = (width, dtype, str(device))
+    if key not in _COLUMN_WEIGHTS:
+        g = torch.Generator().manual_seed(1009 * width)
+        bound = 1 << (30 if dtype == torch.int32 else 62)
+        weights = torch.randint(-bound, bound, (width,), generator=g, dtype=torch.int64) * 2 + 1
+        _COLUMN_WEIGHTS[key] = weights.to(dtype).to(device)
+    return _COLUMN_WEIGHTS[key]
+
+
+def _mixed_rows(local: torch.Tensor, first: int | None, key: str) -> torch.Tensor:
+    """Per row of ``local`` (rows: the first dimension; a 1-D tensor's elements), an int64 that
+    mixes the row's exact bits, its index ``first + i`` in the whole tensor (``None``: the row's
+    content alone, wherever it sits) and ``key``: the row's
+    bits weighted by fixed odd multipliers per column and summed, then a splitmix-style finish
+    (every output bit depends on every input bit)."""
+    local = local.contiguous()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+    rows = local.shape[0] if local.dim() else 1
+    width = local.numel() // rows if rows else 1
+    bits = local.reshape(-1).view(ints).reshape(rows, width)
+    wide = torch.int64 if local.element_size() == 8 else torch.int32
+    m = (bits * _column_weights(width, wide, bits.device)).sum(dim=1, dtype=torch.int64) + _odd(key)
+    if first is not None:
+        m = m + (torch.arange(rows, dtype=torch.int64, device=bits.device) + first) * _odd("row")
+    m = (m ^ _shr(m, 31)) * _odd("mix1")
+    m = (m ^ _shr(m, 29)) * _odd("mix2")
+    return m ^ _shr(m, 32)
+
+
+def _tensor_sums(name: str, t: torch.Tensor) -> tuple[int | None, bool]:
+    """The sum mod 2^64 of :func:`_mixed_rows` over this rank's rows of ``t``: a sum over
+    disjoint sets of rows equals the whole tensor's, so the digest of weights sharded by rows
+    (FSDP2) is the same at any worker count. ``None`` for a part that is not whole rows."""
+    local, first, shape = t, 0, list(t.shape)
+    part = hasattr(t, "to_local") and t.device_mesh.size() > 1
+    if hasattr(t, "to_local"):
+        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if list(local_shape[1:]) != shape[1:]:
+            return None, part
+        first, local = int(offset[0]) if offset else 0, t.to_local()
+    key = f"{name}|{t.dtype}|{tuple(shape)}"
+    return int(_mixed_rows(local.detach(), first, key).sum()) % (1 << 64), part
+
+
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]] | None) -> str | None:
-    """A digest of ``(name, tensor)`` pairs: names, dtypes, shapes and exact bytes."""
+    """A 64-bit digest of ``(name, tensor)`` pairs (names, dtypes, shapes, exact bits), additive
+    over shards: this rank's part of sharded weights is marked ``p:`` (:func:`combine_digests`
+    adds the ranks' parts into the whole's)."""
     if named is None:
         return None
-    h = hashlib.blake2b(digest_size=16)
+    total, partial = 0, False
     for name, t in named:
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(_as_bytes(t).tobytes())
-    return h.hexdigest()
+        value, part = _tensor_sums(name, t)
+        if value is None:  # sharded other than by rows: no digest rather than a wrong one
+            return None
+        total, partial = (total + value) % (1 << 64), partial or part
+    return ("p:" if partial else "") + f"{total:016x}"
 
 
-def role_weights(role_obj: Any, used: bool = False) -> str | None:
-    """The digest of a role's weights (``used``: the copy its rollout engine generates on), when
-    the role can say (``weights_for_digest`` / ``rollout_weights_for_digest``); no collective."""
-    name = "rollout_weights_for_digest" if used and hasattr(role_obj, "rollout_weights_for_digest") \
-        else "weights_for_digest"
-    fn = getattr(role_obj, name, None)
+def combine_digests(digests: list[str | None]) -> str | None:
+    """One digest from the ranks' :func:`weights_digest`: parts (``p:``) added, else the first."""
+    parts = [d for d in digests if d is not None and d.startswith("p:")]
+    if not parts:
+        return next((d for d in digests if d is not None), None)
+    return f"{sum(int(d[2:], 16) for d in parts) % (1 << 64):016x}"
+
+
+def role_weights(role_obj: Any) -> str | None:
+    """The digest of a role's weights, when the role can say (``weights_for_digest``: this rank's
+    tensors, no collective). A rollout engine's own copy (vLLM, sglang) is not digested: the
+    actor checks it against the model after every push."""
+    fn = getattr(role_obj, "weights_for_digest", None)
     return weights_digest(fn()) if fn is not None else None
 
 
@@ -164,15 +240,13 @@ def _merge(parts: list[tuple[dict[str, Any], list[int] | None]]) -> dict[str, An
 def step_record(step: int, plan: "Plan", infos: list[Any], syncs: list[Any] = ()) -> dict[str, Any]:
     """The fingerprint record of one finished step from its task reports (see the module docstring)."""
     per_node: dict[str, dict[str, list]] = {}
-    weights: dict[str, dict[str, Any]] = {}
+    weights: dict[str, list[Any]] = {}  # node → its first task's ranks' reports
     ordered = sorted((i for i in infos if getattr(i, "prints", None) is not None),
                      key=lambda i: (i.node, -1 if i.mb is None else i.mb, i.rank))
     for info in ordered:
         p = info.prints
-        w = p.get("weights")
-        if w:
-            weights.setdefault(info.node, {"role": w["role"], "version": info.version, **{
-                k: v for k, v in w.items() if k != "role"}})
+        if p.get("weights") and (info.node not in weights or weights[info.node][0].mb == info.mb):
+            weights.setdefault(info.node, []).append(info)
         if info.rank not in plan.tasks[(info.node, info.mb)].collected:
             continue
         for kind, node in (("fields", info.node), ("source", SOURCE)):
@@ -187,10 +261,17 @@ def step_record(step: int, plan: "Plan", infos: list[Any], syncs: list[Any] = ()
                 parts = [q for q in parts if q[0] == reader]
             merged[name] = _merge([(fp, at) for _, _, fp, at in parts])
         nodes[node] = {"fields": merged}
-    for node, w in weights.items():
-        nodes.setdefault(node, {"fields": {}})["weights"] = w
-    sync_list = [{"role": s.prints["role"], "pool": s.pool, "rank": s.rank, "version": s.version,
-                  "digest": s.prints["digest"]} for s in syncs if getattr(s, "prints", None)]
+    for node, ranks in weights.items():
+        w = ranks[0].prints["weights"]
+        nodes.setdefault(node, {"fields": {}})["weights"] = {
+            "role": w["role"], "version": ranks[0].version,
+            **{k: combine_digests([r.prints["weights"].get(k) for r in ranks]) for k in ("used", "after") if k in w}}
+    loads: dict[tuple[str, str, int | None], list[str]] = {}  # (role, pool, version) → the ranks' digests
+    for s in syncs:
+        if getattr(s, "prints", None):
+            loads.setdefault((s.prints["role"], s.pool, s.version), []).append(s.prints["digest"])
+    sync_list = [{"role": role, "pool": pool, "version": version, "digest": combine_digests(ds)}
+                 for (role, pool, version), ds in loads.items()]
     return {"step": step + 1, "nodes": nodes, "syncs": sync_list}
 
 
@@ -251,5 +332,5 @@ class FingerprintLog:
             self.file.close()
 
 
-__all__ = ["FingerprintLog", "field_print", "graph_header", "role_weights", "source_prints", "step_record",
+__all__ = ["FingerprintLog", "combine_digests", "field_print", "graph_header", "role_weights", "source_prints", "step_record",
            "task_prints", "weights_digest"]

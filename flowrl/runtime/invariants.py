@@ -78,7 +78,7 @@ class Invariants:
             if expected is not None and expected != s["digest"]:
                 fire("weights_arrived_different", f"sync:{s['role']}",
                      f"weights of version {s['version']} loaded into role {s['role']!r} on pool "
-                     f"{s['pool']}[{s['rank']}] differ from those the update left", pool=s["pool"])
+                     f"{s['pool']} differ from those the update left", pool=s["pool"])
         for node, v in nodes.items():
             for field, fp in v["fields"].items():
                 if fp.get("nan") or fp.get("inf"):

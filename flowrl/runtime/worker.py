@@ -154,6 +154,7 @@ class Worker:
         self.versions: dict[str, int] = {}
         self._builds, self._seed, self._gpus = roles, seed, gpus
         self._listener = None
+        self._digests: dict[str, tuple[int, str | None]] = {}  # owner → (version, digest of its weights)
         self.group = PoolGroup.single(pool, _device(gpus))
         if not (distributed and world_size > 1):
             self._build_roles()
@@ -223,17 +224,17 @@ class Worker:
             if state is not None:
                 batch.meta_info[entry.op.state.key] = state
             printing = entry.fingerprint and call.plan == "train"  # training steps only
-            used = role_weights(role_obj, used=not entry.op.updates_role) if printing else None
+            used = self._weights_digest(entry.role) if printing and entry.role else None
             source = source_prints(batch, entry.source_inputs) if printing else {}
             out, metrics = self._run(entry, role_obj, batch)
             out = mode.tag(out, tags, call.factor)
-            prints = self._prints(entry, role_obj, out, batch, source, used) if printing else None
             if state is not None:
                 batch.meta_info.pop(entry.op.state.key, None)
             if entry.op.updates_role:
                 owner = self.owner[entry.role]
                 self.versions[owner] += 1
                 self._set_version(owner)
+            prints = self._prints(entry, out, batch, source, used) if printing else None  # after the new version
         except (StalenessError, NonFiniteOutput, RowCountError) as e:
             raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
         except Exception as e:
@@ -243,16 +244,25 @@ class Worker:
                     len(batch), version, metrics, state, call.plan, prints)
         return out, info
 
-    @staticmethod
-    def _prints(entry: NodeEntry, role_obj: Any, out: DataProto, batch: DataProto, source: dict[str, Any],
+    def _prints(self, entry: NodeEntry, out: DataProto, batch: DataProto, source: dict[str, Any],
                 used: str | None) -> dict[str, Any]:
         """The task's fingerprints: its output, and the weights it ran on and left."""
         prints = task_prints(out, batch, source)
         if used is not None:
             prints["weights"] = {"role": entry.role, "used": used}
             if entry.op.updates_role:
-                prints["weights"]["after"] = role_weights(role_obj)
+                prints["weights"]["after"] = self._weights_digest(entry.role)
         return prints
+
+    def _weights_digest(self, role: str) -> str | None:
+        """The digest of ``role``'s weights, computed once per weight version (an update or a load
+        moves the version; a load or a restore forgets the digest)."""
+        owner = self.owner[role]
+        version = self.versions[owner]
+        cached = self._digests.get(owner)
+        if cached is None or cached[0] != version:
+            cached = self._digests[owner] = (version, role_weights(self.roles[owner]))
+        return cached[1]
 
     def _run(self, entry: NodeEntry, role_obj: Any, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """The operator on ``batch`` (graph field names in and out), its output checked."""
@@ -295,8 +305,10 @@ class Worker:
         owner = self.owner[role]
         self.versions[owner] = version
         self._set_version(owner)
+        self._digests.pop(owner, None)
         # what the invariants compare with what the update left
-        arrived = role_weights(obj) if any(e.fingerprint for e in self.nodes.get("train", {}).values()) else None
+        printing = any(e.fingerprint for e in self.nodes.get("train", {}).values())
+        arrived = self._weights_digest(role) if printing else None
         return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version,
                     prints={"role": role, "digest": arrived} if arrived is not None else None)
 
@@ -315,6 +327,7 @@ class Worker:
         ``own``: written by this very rank (else by another rank of the pool, whose per-rank
         parts, such as its sampling stream, are not taken)."""
         load_states(shards, self.roles, state["roles"], self.group, self.rank, own)
+        self._digests.clear()
         self.versions.update(state["versions"])
         for owner in self.versions:
             self._set_version(owner)
