@@ -57,6 +57,13 @@ def render_diff(report: dict[str, Any], name_a: str, name_b: str) -> Group:
         if "size" in f:
             table.add_row("|mean A - mean B|", _num(f["size"]), "")
         parts.append(table)
+        if f.get("metrics"):
+            metrics = Table(title=f"step {f['step']}'s metrics that differ", title_justify="left")
+            for col in ("metric", "run A", "run B", "relative"):
+                metrics.add_column(col, overflow="fold")
+            for m in f["metrics"]:
+                metrics.add_row(m["metric"], _num(m["a"]), _num(m["b"]), f"{m['relative']:.2e}")
+            parts.append(metrics)
     if report["spread"]:
         spread = Table(title="how it spread (later differences, inherited)", title_justify="left")
         for col in ("node", "first step", "steps differing", "fields"):

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 #: hex characters of one row's digest (48 bits: enough to point at the rows that differ)
 ROW_HEX = 12
 ROW_MASK = (1 << 4 * ROW_HEX) - 1
+#: metric prefixes that measure wall time, left out of the records
+TIMED = ("timing/", "throughput/", "perf/", "scheduler/")
 MASK = "response_mask"
 
 
@@ -314,6 +316,9 @@ class FingerprintLog:
     def step(self, result: Any) -> list[dict[str, Any]]:
         """Record one step; the invariants it broke (raised instead when fatal)."""
         record = step_record(result.step, self.plan, result.infos, getattr(result, "syncs", ()))
+        # what the step computed (not how long it took): flowrl diff sizes a difference with them
+        record["metrics"] = {k: v for k, v in result.metrics.items()
+                             if not k.startswith(TIMED) and not k.endswith("_s") and isinstance(v, (int, float))}
         found = self.checks.check(record, result) if self.checks is not None else []
         record["invariants"] = found
         self.file.write(json.dumps(record) + "\n")

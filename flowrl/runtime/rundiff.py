@@ -122,6 +122,17 @@ def _detail(pa: dict[str, Any] | None, pb: dict[str, Any] | None) -> dict[str, A
     return out
 
 
+def _metric_differences(a: dict[str, float], b: dict[str, float]) -> list[dict[str, Any]]:
+    """The step's metrics that differ, the largest relative difference first (at most ``SHOWN_ROWS``)."""
+    out = []
+    for k in sorted(a.keys() & b.keys()):
+        x, y = a[k], b[k]
+        if x != y and not (x != x and y != y):  # NaN in both: the same
+            out.append({"metric": k, "a": x, "b": y, "relative": abs(x - y) / max(abs(x), abs(y), 1e-12)})
+    out.sort(key=lambda d: -d["relative"] if d["relative"] == d["relative"] else 0.0)
+    return out[:SHOWN_ROWS]
+
+
 def diff_runs(run_a: Path, run_b: Path, warn: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
     """Compare two runs' fingerprints (see the module docstring); reads, never writes."""
     ha, recs_a = read_prints(run_a, warn)
@@ -142,6 +153,9 @@ def diff_runs(run_a: Path, run_b: Path, warn: Callable[[str], None] = lambda m: 
                 differing.append({"step": ra["step"], "node": node, "field": field, "inputs_equal": equal,
                                   "inputs_differing": differed, **_detail(oa.get(field), ob.get(field))})
     finding = next((d for d in differing if d["inputs_equal"]), differing[0] if differing else None)
+    if finding is not None:
+        ra, rb = next(r for r in common if r["step"] == finding["step"]), by_step_b[finding["step"]]
+        finding["metrics"] = _metric_differences(ra.get("metrics", {}), rb.get("metrics", {}))
     spread: dict[str, dict[str, Any]] = {}
     for d in differing:
         if d is finding:
