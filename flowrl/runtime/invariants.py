@@ -65,6 +65,12 @@ class Invariants:
             if w["after"] == w.get("used"):
                 fire("weights_unchanged", node, f"the update left the weights of role {w['role']!r} unchanged "
                      f"(a learning rate of 0, no gradient, or an update that never reached the model)")
+        for s in record.get("syncs", []):
+            expected = self.known.get(self._base(s["role"]), {}).get(s["version"])
+            if expected is not None and expected != s["digest"]:
+                fire("weights_arrived_different", f"sync:{s['role']}",
+                     f"weights of version {s['version']} loaded into role {s['role']!r} on pool "
+                     f"{s['pool']} differ from those the update left", pool=s["pool"])
         for node, v in nodes.items():
             w = v.get("weights")
             if not w or node in updates or w.get("used") is None or w["version"] is None:
@@ -73,12 +79,6 @@ class Invariants:
             if expected is not None and expected != w["used"]:
                 fire("weights_not_as_planned", node, f"ran on weights of role {w['role']!r} that are not those "
                      f"of version {w['version']} it reports (stale or partly loaded weights)")
-        for s in record.get("syncs", []):
-            expected = self.known.get(self._base(s["role"]), {}).get(s["version"])
-            if expected is not None and expected != s["digest"]:
-                fire("weights_arrived_different", f"sync:{s['role']}",
-                     f"weights of version {s['version']} loaded into role {s['role']!r} on pool "
-                     f"{s['pool']} differ from those the update left", pool=s["pool"])
         for node, v in nodes.items():
             for field, fp in v["fields"].items():
                 if fp.get("nan") or fp.get("inf"):
