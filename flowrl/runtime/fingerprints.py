@@ -195,8 +195,27 @@ def source_prints(batch: DataProto, names: Iterable[str]) -> dict[str, Any]:
     return {name: field_print(value) for name, value in _columns(batch) if name in wanted} if wanted else {}
 
 
-def task_prints(out: DataProto, batch: DataProto, source: dict[str, Any]) -> dict[str, Any]:
-    """Every field of one rank's output as :func:`field_print`, with ``source`` (:func:`source_prints`);
+class WeightDigests:
+    """A worker's digest of each role's weights, computed once per weight version (an update or a
+    load moves the version; a load or a restore forgets the digest)."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, tuple[int, str | None]] = {}  # owner → (version, digest)
+
+    def of(self, owner: str, version: int, role_obj: Any) -> str | None:
+        cached = self._of.get(owner)
+        if cached is None or cached[0] != version:
+            cached = self._of[owner] = (version, role_weights(role_obj))
+        return cached[1]
+
+    def forget(self, owner: str | None = None) -> None:
+        self._of.pop(owner, None) if owner is not None else self._of.clear()
+
+
+def task_prints(out: DataProto, batch: DataProto, source: dict[str, Any], role: str | None = None,
+                used: str | None = None, after: str | None = None) -> dict[str, Any]:
+    """Every field of one rank's output as :func:`field_print`, with ``source`` (:func:`source_prints`)
+    and the digests of the weights of ``role`` it ran on (``used``) and, an update, left (``after``);
     float fields are summarised over ``response_mask`` (the output's, else the input's) where it fits."""
     mask = None
     for part in (out, batch):
@@ -205,7 +224,10 @@ def task_prints(out: DataProto, batch: DataProto, source: dict[str, Any]) -> dic
             break
     fields = {name: field_print(value, mask) for name, value in _columns(out)}
     at = task_rows(out)
-    return {"fields": fields, "source": source, "at": at.tolist() if at is not None else None}
+    prints: dict[str, Any] = {"fields": fields, "source": source, "at": at.tolist() if at is not None else None}
+    if used is not None:
+        prints["weights"] = {"role": role, "used": used, **({"after": after} if after is not None else {})}
+    return prints
 
 
 def _columns(data: DataProto) -> Iterable[tuple[str, Any]]:
@@ -337,5 +359,5 @@ class FingerprintLog:
             self.file.close()
 
 
-__all__ = ["FingerprintLog", "combine_digests", "field_print", "graph_header", "role_weights", "source_prints", "step_record",
+__all__ = ["FingerprintLog", "WeightDigests", "combine_digests", "field_print", "graph_header", "role_weights", "source_prints", "step_record",
            "task_prints", "weights_digest"]

@@ -27,7 +27,7 @@ from flowrl.graph import OperatorSpec, Params
 from flowrl.runtime.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
-from flowrl.runtime.fingerprints import role_weights, source_prints, task_prints
+from flowrl.runtime.fingerprints import WeightDigests, source_prints, task_prints
 from flowrl.runtime.pools import RoleBuild
 
 
@@ -154,7 +154,7 @@ class Worker:
         self.versions: dict[str, int] = {}
         self._builds, self._seed, self._gpus = roles, seed, gpus
         self._listener = None
-        self._digests: dict[str, tuple[int, str | None]] = {}  # owner → (version, digest of its weights)
+        self.digests = WeightDigests()
         self.group = PoolGroup.single(pool, _device(gpus))
         if not (distributed and world_size > 1):
             self._build_roles()
@@ -207,7 +207,7 @@ class Worker:
         entry = self.nodes[call.plan][call.node]
         role_obj = self.roles.get(entry.role) if entry.role else None
         version = self.versions[self.owner[entry.role]] if entry.role else None
-        state = None
+        state = prints = None
         try:
             if call.min_version is not None and version is not None and version < call.min_version:
                 raise StalenessError(
@@ -224,7 +224,7 @@ class Worker:
             if state is not None:
                 batch.meta_info[entry.op.state.key] = state
             printing = entry.fingerprint and call.plan == "train"  # training steps only
-            used = self._weights_digest(entry.role) if printing and entry.role else None
+            used = self._digest(entry.role) if printing and entry.role else None
             source = source_prints(batch, entry.source_inputs) if printing else {}
             out, metrics = self._run(entry, role_obj, batch)
             out = mode.tag(out, tags, call.factor)
@@ -234,7 +234,9 @@ class Worker:
                 owner = self.owner[entry.role]
                 self.versions[owner] += 1
                 self._set_version(owner)
-            prints = self._prints(entry, out, batch, source, used) if printing else None  # after the new version
+            if printing:  # after the update moved the version: "after" is the new weights' digest
+                after = self._digest(entry.role) if entry.op.updates_role and used is not None else None
+                prints = task_prints(out, batch, source, entry.role, used, after)
         except (StalenessError, NonFiniteOutput, RowCountError) as e:
             raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
         except Exception as e:
@@ -244,25 +246,9 @@ class Worker:
                     len(batch), version, metrics, state, call.plan, prints)
         return out, info
 
-    def _prints(self, entry: NodeEntry, out: DataProto, batch: DataProto, source: dict[str, Any],
-                used: str | None) -> dict[str, Any]:
-        """The task's fingerprints: its output, and the weights it ran on and left."""
-        prints = task_prints(out, batch, source)
-        if used is not None:
-            prints["weights"] = {"role": entry.role, "used": used}
-            if entry.op.updates_role:
-                prints["weights"]["after"] = self._weights_digest(entry.role)
-        return prints
-
-    def _weights_digest(self, role: str) -> str | None:
-        """The digest of ``role``'s weights, computed once per weight version (an update or a load
-        moves the version; a load or a restore forgets the digest)."""
+    def _digest(self, role: str) -> str | None:
         owner = self.owner[role]
-        version = self.versions[owner]
-        cached = self._digests.get(owner)
-        if cached is None or cached[0] != version:
-            cached = self._digests[owner] = (version, role_weights(self.roles[owner]))
-        return cached[1]
+        return self.digests.of(owner, self.versions[owner], self.roles[owner])
 
     def _run(self, entry: NodeEntry, role_obj: Any, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """The operator on ``batch`` (graph field names in and out), its output checked."""
@@ -305,10 +291,9 @@ class Worker:
         owner = self.owner[role]
         self.versions[owner] = version
         self._set_version(owner)
-        self._digests.pop(owner, None)
+        self.digests.forget(owner)
         # what the invariants compare with what the update left
-        printing = any(e.fingerprint for e in self.nodes.get("train", {}).values())
-        arrived = self._weights_digest(role) if printing else None
+        arrived = self._digest(role) if any(e.fingerprint for e in self.nodes.get("train", {}).values()) else None
         return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version,
                     prints={"role": role, "digest": arrived} if arrived is not None else None)
 
@@ -327,7 +312,7 @@ class Worker:
         ``own``: written by this very rank (else by another rank of the pool, whose per-rank
         parts, such as its sampling stream, are not taken)."""
         load_states(shards, self.roles, state["roles"], self.group, self.rank, own)
-        self._digests.clear()
+        self.digests.forget()
         self.versions.update(state["versions"])
         for owner in self.versions:
             self._set_version(owner)
