@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import typer
 from rich.console import Console
 
+from flowrl import cli_debug
+
 if TYPE_CHECKING:
     from flowrl.graph.checks import GraphProblem
 
@@ -422,6 +424,9 @@ def _describe_op(name: str) -> None:
     for row in op.param_table():
         params.add_row(*(_escape(x) for x in row))
     console.print(params if op.params.model_fields else "no parameters")
+
+
+app.command("diff")(cli_debug.diff)
 
 
 def main() -> None:  # pragma: no cover - console entry point

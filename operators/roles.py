@@ -142,6 +142,11 @@ class TrainableRole:
         """The full weights, on CPU. Sharded: a collective on every rank, the dict on rank 0 (None elsewhere)."""
         return self.train_engine.get_weights()
 
+    def weights_for_digest(self) -> Any:
+        """``(name, tensor)`` of this rank's weights (its shards when sharded; no collective): what
+        the runtime's fingerprints digest after an update and before every task."""
+        return self.model.state_dict().items()
+
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full weights (another pool's :meth:`get_weights`); sharded: each rank copies its part."""
         self._load_full_model(weights)

@@ -29,6 +29,7 @@ EXPECTED = {
     "driver_memory.py": ["driver RSS of", "ratio last/warm-up"],
     "e2e.py": ["GRPO end to end", "flowrl grpo (local, sync)", "plain PyTorch stage by stage"],
     "engines.py": ["rollout engines", "hf tok/s"],
+    "fingerprints.py": ["fingerprints: grpo", "with fingerprints", "fingerprint work, timed"],
     "metrics_snapshot.py": ["grpo           local recorded 2 steps", "MATCH: identical"],
     "plain_grpo.py": ["done: 3 steps"],
     "plan_search.py": ["plan search on grpo", "median |error|"],

@@ -149,6 +149,12 @@ class TrainerConfig(_Strict):
     dump_rollouts: bool = Field(False, description="write each step's prompts, responses, rewards to JSONL")
     log_every: int = Field(1, ge=1)
     wandb_project: str | None = Field(None, description="also log to this wandb project (needs wandb)")
+    # finding where a run went wrong (flowrl diff; flowrl.runtime.invariants)
+    fingerprints: bool = Field(True, description="write a digest and statistics of every node output per step "
+                               "to fingerprints.jsonl")
+    invariants: Literal["warn", "fatal", "off"] = Field(
+        "warn", description="the per-step checks on fingerprints (weights changed, arrived, as planned; NaN): "
+        "warn, stop the run (fatal), or off")
 
 
 class NodeConfig(BaseModel):

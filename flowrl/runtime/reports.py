@@ -13,7 +13,7 @@ Example::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from flowrl.data import DataProto
@@ -37,6 +37,7 @@ class StepResult:
     data: DataProto | None = None
     checkpoint: dict[str, Any] | None = None  # states taken right after this step (see Runtime.run)
     val_metrics: dict[str, float] | None = None  # validation right after this step
+    syncs: list[Info] = field(default_factory=list)  # weight loads on other pools this step waited on
 
     @property
     def efficiency(self) -> float:

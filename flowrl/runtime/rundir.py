@@ -30,7 +30,7 @@ from flowrl.runtime.errors import RuntimeFailure
 
 LOCK_NAME = ".flowrl.lock"
 #: what a run writes into its directory (``--overwrite`` removes exactly these)
-RUN_STATE = ("metrics.jsonl", "checkpoints", "config.yaml", "rollouts", "tensorboard")
+RUN_STATE = ("metrics.jsonl", "checkpoints", "config.yaml", "rollouts", "tensorboard", "fingerprints.jsonl")
 
 
 class RunDirectoryError(RuntimeFailure):

@@ -240,6 +240,7 @@ class Runtime:
         received: set[Any] = set()
         ended: dict[TaskKey, float] = {}
         infos: list[Info] = []
+        syncs: list[Info] = []  # weight loads on other pools (their fingerprints)
         label = self.backend.worker_label
         training = st.plan.kind == "train"  # validation reports no progress and moves no weight version
         while pending:
@@ -258,6 +259,8 @@ class Runtime:
                 if key is not None:
                     ended[key] = max(ended.get(key, 0.0), info.end)
                     infos.append(info)
+                elif info.prints is not None:
+                    syncs.append(info)
                 self._worker_free[(pool, rank)] = max(self._worker_free.get((pool, rank), 0.0), info.end)
                 self.timeline.add(info)
             if done and self.on_progress is not None and training:
@@ -272,7 +275,7 @@ class Runtime:
             metrics.update(extra)
         metrics.update({f"faults/{k}": float(v) for k, v in st.faults.items() if k != "refill_rounds"})
         data = self._collect(st) if self.fetch and training else None
-        result = StepResult(st.step, metrics, infos, makespan, bound, data)
+        result = StepResult(st.step, metrics, infos, makespan, bound, data, syncs=syncs)
         if st.snapshot is not None:
             result.checkpoint = self._resolve_snapshot(st.snapshot)
         if st.validation is not None:
@@ -384,12 +387,15 @@ class Runtime:
 def _entries(plan: Plan, fault: Fault | None = None) -> dict[str, NodeEntry]:
     """What workers need to run each node of ``plan``'s graph (``fault``: the fault switch)."""
     graph = plan.graph
+    sources = {f.name for f in graph.source_fields}
     return {
         n: NodeEntry(node.op, node.params, node.role,
                      inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
                      outputs=dict(node.config.outputs), name=n, on_error=node.config.on_error,
                      group=input_space(graph, plan.spaces, n).factor,
-                     fault=fault if fault is not None and fault.node == n else None)
+                     fault=fault if fault is not None and fault.node == n else None,
+                     fingerprint=graph.config.trainer.fingerprints,
+                     source_inputs=tuple(sorted(set(node.input_names()) & sources)))
         for n, node in graph.nodes.items()
     }
 

@@ -41,6 +41,7 @@ from flowrl.runtime.checkpoint import (CheckpointError, CheckpointStore, Unreada
                                        fingerprint, worker_counts)
 from flowrl.runtime.dumps import graph_fields, write_rollouts
 from flowrl.runtime.plancheck import PlanCheck
+from flowrl.runtime.fingerprints import FingerprintLog
 from flowrl.runtime.rundir import RunDirectory
 from flowrl.runtime.scheduler import Runtime, StepResult
 from flowrl.runtime.sinks import open_sinks, read_metrics
@@ -126,6 +127,7 @@ class Trainer:
         saved = start_step - 1
         try:
             sinks = open_sinks(self.out, cfg.trainer.wandb_project, run_name=cfg.name, config=cfg.dump())
+            prints = self._fingerprints(start_step)
             try:
                 results = self.runtime.run(
                     self.source, steps=self.steps - start_step, start_step=start_step,
@@ -136,12 +138,16 @@ class Trainer:
                 for result in results:
                     row = self._row(result, start)
                     sinks.write(row["step"], row)
+                    if prints is not None:
+                        prints.step(result)
                     if result.data is not None:
                         self._dump(result)
                     self._remember(row)
                     done = result.step
                     if result.checkpoint is not None:
                         sinks.sync()  # metrics on disk before the checkpoint that continues after them
+                        if prints is not None:
+                            prints.sync()
                         self._save(result.step, result.checkpoint)
                         saved = result.step
                     if self.on_step is not None:
@@ -153,11 +159,21 @@ class Trainer:
                 raise CheckpointError(str(getattr(e, "cause", None) or e)) from None  # a worker's: its message
             finally:
                 sinks.close()
+                if prints is not None:
+                    prints.close()
             if self.stopped:
                 self.say(f"stopped after step {done + 1}; checkpoint saved, continue with --resume")
         finally:
             restore_signals()
         return self.history
+
+    def _fingerprints(self, start_step: int) -> FingerprintLog | None:
+        """``fingerprints.jsonl`` and the invariants (``trainer.fingerprints``, ``trainer.invariants``)."""
+        cfg = self.graph.config.trainer
+        if not cfg.fingerprints:
+            return None
+        return FingerprintLog(self.out, self.graph, self.runtime.plan, self.say, keep_through=start_step,
+                              fatal=cfg.invariants == "fatal", check=cfg.invariants != "off")
 
     def _remember(self, row: dict[str, Any]) -> None:
         """Keep the run's rows for the caller, up to ``history_limit`` (the driver's memory stays flat)."""

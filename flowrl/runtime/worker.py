@@ -30,6 +30,7 @@ from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
 from flowrl.runtime.faults import Fault, Injector, RefillNeeded, run_guarded
 from flowrl.runtime.hangs import thread_stacks
+from flowrl.runtime.fingerprints import WeightDigests, source_prints, task_prints
 from flowrl.runtime.pools import RoleBuild
 
 
@@ -62,6 +63,8 @@ class NodeEntry:
     on_error: OnErrorConfig | None = None  # the node's failure policy (:mod:`flowrl.runtime.faults`)
     group: int = 1  # input rows per prompt: a group, for on_error drop_group without a uid column
     fault: Fault | None = None  # the fault switch, when it names this node
+    fingerprint: bool = False  # report the output's fingerprints (flowrl.runtime.fingerprints)
+    source_inputs: tuple[str, ...] = ()  # the data-source fields it reads (fingerprinted by their first reader)
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Info:
     metrics: dict[str, float] = field(default_factory=dict)
     state: dict[str, Any] | None = None  # a stateful operator's state after this task
     plan: str = "train"  # the plan its task belongs to ("val": the validation run)
+    prints: dict[str, Any] | None = None  # fingerprints of the output and the weights used
 
 
 class NonFiniteOutput(ValueError):
@@ -119,7 +123,10 @@ def non_finite(out: DataProto, metrics: dict[str, float]) -> list[str]:
 
     bad = [f"{k}={v}" for k, v in metrics.items() if not math.isfinite(v)]
     if out.batch is not None:
-        bad += [k for k, t in out.batch.items() if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+        for k, t in out.batch.items():
+            rows = (~torch.isfinite(t.reshape(len(t), -1))).any(dim=1).nonzero() if t.is_floating_point() else []
+            if len(rows):  # the first row, so that it can be found in a dump or a replay
+                bad.append(f"{k} (first at row {int(rows[0])} of {len(t)})")
     return bad
 
 
@@ -157,6 +164,7 @@ class Worker:
         self._listener = None
         self._faults = {(plan, n): Injector(e.fault, first_process) for plan, es in nodes.items()
                         for n, e in es.items() if e.fault is not None}
+        self.digests = WeightDigests()
         self.group = PoolGroup.single(pool, _device(gpus))
         if not (distributed and world_size > 1):
             self._build_roles()
@@ -209,7 +217,7 @@ class Worker:
         entry = self.nodes[call.plan][call.node]
         role_obj = self.roles.get(entry.role) if entry.role else None
         version = self.versions[self.owner[entry.role]] if entry.role else None
-        state = None
+        state = prints = None
         try:
             if call.min_version is not None and version is not None and version < call.min_version:
                 raise StalenessError(
@@ -225,6 +233,9 @@ class Worker:
             batch, tags = mode.split(whole, call.rank, call.world, call.keys)
             if state is not None:
                 batch.meta_info[entry.op.state.key] = state
+            printing = entry.fingerprint and call.plan == "train"  # training steps only
+            used = self._digest(entry.role) if printing and entry.role else None
+            source = source_prints(batch, entry.source_inputs) if printing else {}
             inject = self._faults.get((call.plan, call.node))
 
             def run(rows: DataProto) -> tuple[DataProto, dict[str, float]]:
@@ -241,6 +252,9 @@ class Worker:
                 owner = self.owner[entry.role]
                 self.versions[owner] += 1
                 self._set_version(owner)
+            if printing:  # after the update moved the version: "after" is the new weights' digest
+                after = self._digest(entry.role) if entry.op.updates_role and used is not None else None
+                prints = task_prints(out, batch, source, entry.role, used, after)
         except RefillNeeded:
             raise  # the driver refills the step (flowrl.runtime.refill)
         except (StalenessError, NonFiniteOutput, RowCountError) as e:
@@ -249,8 +263,12 @@ class Worker:
             raise NodeError(call.node, call.step, call.mb, self.label, f"{type(e).__name__}: {e}",
                             traceback.format_exc()) from None
         info = Info(call.node, call.step, call.mb, self.pool, self.rank, os.getpid(), start, time.time(),
-                    len(batch), version, metrics, state, call.plan)
+                    len(batch), version, metrics, state, call.plan, prints)
         return out, info
+
+    def _digest(self, role: str) -> str | None:
+        owner = self.owner[role]
+        return self.digests.of(owner, self.versions[owner], self.roles[owner])
 
     def _run(self, entry: NodeEntry, role_obj: Any, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """The operator on ``batch`` (graph field names in and out), its output checked."""
@@ -293,7 +311,11 @@ class Worker:
         owner = self.owner[role]
         self.versions[owner] = version
         self._set_version(owner)
-        return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version)
+        self.digests.forget(owner)
+        # what the invariants compare with what the update left
+        arrived = self._digest(role) if any(e.fingerprint for e in self.nodes.get("train", {}).values()) else None
+        return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version,
+                    prints={"role": role, "digest": arrived} if arrived is not None else None)
 
     def get_state(self, shards: str | None = None) -> dict[str, Any]:
         """Every role's state and weight version, for a checkpoint: the roles' tensors written
@@ -310,6 +332,7 @@ class Worker:
         ``own``: written by this very rank (else by another rank of the pool, whose per-rank
         parts, such as its sampling stream, are not taken)."""
         load_states(shards, self.roles, state["roles"], self.group, self.rank, own)
+        self.digests.forget()
         self.versions.update(state["versions"])
         for owner in self.versions:
             self._set_version(owner)

@@ -1,0 +1,363 @@
+"""Fingerprints: what every node produced at every step, as digests and a few statistics.
+
+Worker side (:func:`task_prints`, where the output is made, so no data moves): per
+output field a digest of each row's exact bytes, the row positions when a rank
+holds rows of a balanced task, and statistics (rows, mean, min, max, NaN and inf
+counts; over real tokens where ``response_mask`` of the same shape applies); per
+role a digest of the weights the task ran on and, for an update, of the weights it
+left. Fields read from the data source are printed by the first node reading them.
+
+Driver side (:class:`FingerprintLog`): the reports of one step are put back in row
+order (micro-batches in order, each task's ranks by their positions), so a digest
+does not depend on worker counts or micro-batches; one JSON line per step goes to
+``<out>/fingerprints.jsonl`` (a header line first: the graph's nodes, what they
+read and write, in topological order), flushed per line and fsync'd with the
+metrics at every checkpoint. The invariants (:mod:`flowrl.runtime.invariants`)
+are checked on each step's record.
+
+Example::
+
+    log = FingerprintLog(Path("runs/grpo"), graph, plan, say=print)
+    log.step(result)   # after each StepResult
+    log.close()
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import torch
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from flowrl.data import DataProto
+from flowrl.data.dispatch import ROW_INDEX, task_rows
+from flowrl.graph import Graph
+from flowrl.runtime.invariants import Invariants
+from flowrl.runtime.rundiff import FILE, SOURCE
+from flowrl.runtime.sinks import read_metrics
+
+if TYPE_CHECKING:
+    from flowrl.runtime.plan import Plan
+
+#: hex characters of one row's digest (48 bits: enough to point at the rows that differ)
+ROW_HEX = 12
+ROW_MASK = (1 << 4 * ROW_HEX) - 1
+#: metric prefixes that measure wall time, left out of the records
+TIMED = ("timing/", "throughput/", "perf/", "scheduler/")
+MASK = "response_mask"
+
+
+# ---------------------------------------------------------------------- worker side
+def _row_digests(value: Any) -> list[str]:
+    """One digest per row: of a tensor row's exact bits (vectorised, :func:`_mixed_rows`), of an
+    object's ``repr`` (each distinct object once: rows repeated per sample share theirs)."""
+    if isinstance(value, torch.Tensor):
+        mixed = _mixed_rows(value.detach(), None, f"{value.dtype}|{tuple(value.shape[1:])}")
+        return [f"{x & ROW_MASK:012x}" for x in mixed.tolist()]
+    seen: dict[int, str] = {}
+    out = []
+    for v in value:
+        if id(v) not in seen:
+            seen[id(v)] = hashlib.blake2b(repr(v).encode(), digest_size=ROW_HEX // 2).hexdigest()
+        out.append(seen[id(v)])
+    return out
+
+
+def _stats(t: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
+    """Sum, count, min, max, NaN and inf of a float tensor (over ``mask`` where given); the
+    first row holding a NaN or inf."""
+    values = t.detach()
+    real = values[mask.bool()] if mask is not None else values.reshape(-1)
+    ok = torch.isfinite(real)
+    finite = real[ok]
+    nan = int(torch.isnan(real).sum())
+    inf = real.numel() - finite.numel() - nan
+    bad_rows = (~torch.isfinite(values.reshape(values.shape[0], -1))).any(dim=1).nonzero() if nan or inf else []
+    return {"n": int(finite.numel()), "sum": float(finite.double().sum()) if finite.numel() else 0.0,
+            "min": float(finite.min()) if finite.numel() else None,
+            "max": float(finite.max()) if finite.numel() else None,
+            "nan": nan, "inf": inf, "first_bad": int(bad_rows[0]) if len(bad_rows) else None}
+
+
+def field_print(value: Any, mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """One field of one rank's output: row digests, shape, dtype, statistics."""
+    if isinstance(value, torch.Tensor):
+        shape, dtype = list(value.shape), str(value.dtype).replace("torch.", "")
+        use = mask if mask is not None and tuple(mask.shape) == tuple(value.shape) else None
+        stats = _stats(value, use) if value.is_floating_point() and value.dim() else {}
+    else:
+        shape, dtype, stats = [len(value)], "object", {}
+    return {"rows": _row_digests(value), "shape": shape, "dtype": dtype, **stats}
+
+
+@functools.lru_cache(maxsize=4096)
+def _odd(text: str) -> int:
+    """A 64-bit odd multiplier from ``text``, as torch's signed int64 holds it."""
+    v = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") | 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """A logical right shift of int64 (torch's is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+_COLUMN_WEIGHTS: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
+
+
+def _column_weights(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Fixed odd multipliers, one per column of a row of ``width`` elements: int32 for elements of
+    up to 4 bytes (an odd multiplier is a bijection mod 2^32: no bit is lost), int64 above."""
+    key = (width, dtype, str(device))
+    if key not in _COLUMN_WEIGHTS:
+        g = torch.Generator().manual_seed(1009 * width)
+        bound = 1 << (30 if dtype == torch.int32 else 62)
+        weights = torch.randint(-bound, bound, (width,), generator=g, dtype=torch.int64) * 2 + 1
+        _COLUMN_WEIGHTS[key] = weights.to(dtype).to(device)
+    return _COLUMN_WEIGHTS[key]
+
+
+def _mixed_rows(local: torch.Tensor, first: int | None, key: str) -> torch.Tensor:
+    """Per row of ``local`` (rows: the first dimension; a 1-D tensor's elements), an int64 that
+    mixes the row's exact bits, its index ``first + i`` in the whole tensor (``None``: the row's
+    content alone, wherever it sits) and ``key``: the row's
+    bits weighted by fixed odd multipliers per column and summed, then a splitmix-style finish
+    (every output bit depends on every input bit)."""
+    local = local.contiguous()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
+    rows = local.shape[0] if local.dim() else 1
+    width = local.numel() // rows if rows else 1
+    bits = local.reshape(-1).view(ints).reshape(rows, width)
+    wide = torch.int64 if local.element_size() == 8 else torch.int32
+    m = (bits * _column_weights(width, wide, bits.device)).sum(dim=1, dtype=torch.int64) + _odd(key)
+    if first is not None:
+        m = m + (torch.arange(rows, dtype=torch.int64, device=bits.device) + first) * _odd("row")
+    m = (m ^ _shr(m, 31)) * _odd("mix1")
+    m = (m ^ _shr(m, 29)) * _odd("mix2")
+    return m ^ _shr(m, 32)
+
+
+def _tensor_sums(name: str, t: torch.Tensor) -> tuple[int | None, bool]:
+    """The sum mod 2^64 of :func:`_mixed_rows` over this rank's rows of ``t``: a sum over
+    disjoint sets of rows equals the whole tensor's, so the digest of weights sharded by rows
+    (FSDP2) is the same at any worker count. ``None`` for a part that is not whole rows."""
+    local, first, shape = t, 0, list(t.shape)
+    part = hasattr(t, "to_local") and t.device_mesh.size() > 1
+    if hasattr(t, "to_local"):
+        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if list(local_shape[1:]) != shape[1:]:
+            return None, part
+        first, local = int(offset[0]) if offset else 0, t.to_local()
+    key = f"{name}|{t.dtype}|{tuple(shape)}"
+    return int(_mixed_rows(local.detach(), first, key).sum()) % (1 << 64), part
+
+
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]] | None) -> str | None:
+    """A 64-bit digest of ``(name, tensor)`` pairs (names, dtypes, shapes, exact bits), additive
+    over shards: this rank's part of sharded weights is marked ``p:`` (:func:`combine_digests`
+    adds the ranks' parts into the whole's)."""
+    if named is None:
+        return None
+    total, partial = 0, False
+    for name, t in named:
+        value, part = _tensor_sums(name, t)
+        if value is None:  # sharded other than by rows: no digest rather than a wrong one
+            return None
+        total, partial = (total + value) % (1 << 64), partial or part
+    return ("p:" if partial else "") + f"{total:016x}"
+
+
+def combine_digests(digests: list[str | None]) -> str | None:
+    """One digest from the ranks' :func:`weights_digest`: parts (``p:``) added, else the first."""
+    parts = [d for d in digests if d is not None and d.startswith("p:")]
+    if not parts:
+        return next((d for d in digests if d is not None), None)
+    return f"{sum(int(d[2:], 16) for d in parts) % (1 << 64):016x}"
+
+
+def role_weights(role_obj: Any) -> str | None:
+    """The digest of a role's weights, when the role can say (``weights_for_digest``: this rank's
+    tensors, no collective). A rollout engine's own copy (vLLM, sglang) is not digested: the
+    actor checks it against the model after every push."""
+    fn = getattr(role_obj, "weights_for_digest", None)
+    return weights_digest(fn()) if fn is not None else None
+
+
+def source_prints(batch: DataProto, names: Iterable[str]) -> dict[str, Any]:
+    """The data-source fields ``names`` of a task's input, as :func:`field_print` (taken before
+    the operator runs: it sees its own names for renamed fields)."""
+    wanted = set(names)
+    return {name: field_print(value) for name, value in _columns(batch) if name in wanted} if wanted else {}
+
+
+class WeightDigests:
+    """A worker's digest of each role's weights, computed once per weight version (an update or a
+    load moves the version; a load or a restore forgets the digest)."""
+
+    def __init__(self) -> None:
+        self._of: dict[str, tuple[int, str | None]] = {}  # owner → (version, digest)
+
+    def of(self, owner: str, version: int, role_obj: Any) -> str | None:
+        cached = self._of.get(owner)
+        if cached is None or cached[0] != version:
+            cached = self._of[owner] = (version, role_weights(role_obj))
+        return cached[1]
+
+    def forget(self, owner: str | None = None) -> None:
+        self._of.pop(owner, None) if owner is not None else self._of.clear()
+
+
+def task_prints(out: DataProto, batch: DataProto, source: dict[str, Any], role: str | None = None,
+                used: str | None = None, after: str | None = None) -> dict[str, Any]:
+    """Every field of one rank's output as :func:`field_print`, with ``source`` (:func:`source_prints`)
+    and the digests of the weights of ``role`` it ran on (``used``) and, an update, left (``after``);
+    float fields are summarised over ``response_mask`` (the output's, else the input's) where it fits."""
+    mask = None
+    for part in (out, batch):
+        if part.batch is not None and MASK in part.batch.keys():
+            mask = part.batch[MASK]
+            break
+    fields = {name: field_print(value, mask) for name, value in _columns(out)}
+    at = task_rows(out)
+    prints: dict[str, Any] = {"fields": fields, "source": source, "at": at.tolist() if at is not None else None}
+    if used is not None:
+        prints["weights"] = {"role": role, "used": used, **({"after": after} if after is not None else {})}
+    return prints
+
+
+def _columns(data: DataProto) -> Iterable[tuple[str, Any]]:
+    if data.batch is not None:
+        yield from data.batch.items()
+    for name, value in data.non_tensor_batch.items():
+        if name != ROW_INDEX:
+            yield name, value
+
+
+# ---------------------------------------------------------------------- driver side
+def _merge(parts: list[tuple[dict[str, Any], list[int] | None]]) -> dict[str, Any]:
+    """One field over a node's tasks and ranks (in row order) → its step fingerprint."""
+    rows: list[str] = []
+    n = nan = inf = 0
+    total, lo, hi, first_bad, width = 0.0, None, None, None, None
+    for p, at in parts:
+        offset = len(rows)
+        rows.extend(p["rows"] if at is None else [p["rows"][at.index(i)] for i in sorted(at)])
+        if p.get("first_bad") is not None and first_bad is None:
+            first_bad = offset + (p["first_bad"] if at is None else sorted(at).index(at[p["first_bad"]]))
+        n, total, nan, inf = n + p.get("n", 0), total + p.get("sum", 0.0), nan + p.get("nan", 0), inf + p.get("inf", 0)
+        lo = p.get("min") if lo is None else (lo if p.get("min") is None else min(lo, p["min"]))
+        hi = p.get("max") if hi is None else (hi if p.get("max") is None else max(hi, p["max"]))
+        width = p["shape"][1:]
+    first = parts[0][0]
+    h = hashlib.blake2b(f"{first['dtype']}|".encode() + "".join(rows).encode(), digest_size=16).hexdigest()
+    out = {"hash": h, "shape": [len(rows), *(width or [])], "dtype": first["dtype"], "rows": rows}
+    if "n" in first:
+        out.update(mean=total / n if n else None, min=lo, max=hi, nan=nan, inf=inf, first_bad=first_bad)
+    return out
+
+
+def step_record(step: int, plan: "Plan", infos: list[Any], syncs: list[Any] = ()) -> dict[str, Any]:
+    """The fingerprint record of one finished step from its task reports (see the module docstring)."""
+    per_node: dict[str, dict[str, list]] = {}
+    weights: dict[str, list[Any]] = {}  # node → its first task's ranks' reports
+    ordered = sorted((i for i in infos if getattr(i, "prints", None) is not None),
+                     key=lambda i: (i.node, -1 if i.mb is None else i.mb, i.rank))
+    for info in ordered:
+        p = info.prints
+        if p.get("weights") and (info.node not in weights or weights[info.node][0].mb == info.mb):
+            weights.setdefault(info.node, []).append(info)
+        if info.rank not in plan.tasks[(info.node, info.mb)].collected:
+            continue
+        for kind, node in (("fields", info.node), ("source", SOURCE)):
+            for name, fp in p[kind].items():
+                per_node.setdefault(node, {}).setdefault(name, []).append((info.node, info.mb, fp, p["at"]))
+    nodes: dict[str, Any] = {}
+    for node, fields in per_node.items():
+        merged = {}
+        for name, parts in fields.items():
+            if node == SOURCE:  # the first reader's copy (in topological order) only
+                reader = next(n for n in plan.graph.topological_order() if any(q[0] == n for q in parts))
+                parts = [q for q in parts if q[0] == reader]
+            merged[name] = _merge([(fp, at) for _, _, fp, at in parts])
+        nodes[node] = {"fields": merged}
+    for node, ranks in weights.items():
+        w = ranks[0].prints["weights"]
+        nodes.setdefault(node, {"fields": {}})["weights"] = {
+            "role": w["role"], "version": ranks[0].version,
+            **{k: combine_digests([r.prints["weights"].get(k) for r in ranks]) for k in ("used", "after") if k in w}}
+    loads: dict[tuple[str, str, int | None], list[str]] = {}  # (role, pool, version) → the ranks' digests
+    for s in syncs:
+        if getattr(s, "prints", None):
+            loads.setdefault((s.prints["role"], s.pool, s.version), []).append(s.prints["digest"])
+    sync_list = [{"role": role, "pool": pool, "version": version, "digest": combine_digests(ds)}
+                 for (role, pool, version), ds in loads.items()]
+    return {"step": step + 1, "nodes": nodes, "syncs": sync_list}
+
+
+def graph_header(graph: Graph) -> dict[str, Any]:
+    """What ``flowrl diff`` compares before any value: nodes in order, their fields and roles."""
+    order = [SOURCE] + list(graph.topological_order())
+    nodes = {SOURCE: {"op": "data", "reads": [], "writes": sorted(f.name for f in graph.source_fields),
+                      "role": None}}
+    for name in order[1:]:
+        node = graph.nodes[name]
+        nodes[name] = {"op": node.config.op, "reads": sorted(node.input_names()),
+                       "writes": sorted(node.output_names()), "role": node.role,
+                       "params": _plain(node.params.model_dump()) if node.params is not None else {}}
+    roles = {r: (cfg.from_ or r) for r, cfg in graph.config.roles.items()}
+    return {"header": {"graph": graph.name, "order": order, "nodes": nodes, "lineage": roles}}
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON holds it (an object parameter as its text)."""
+    return json.loads(json.dumps(value, default=str))
+
+
+class FingerprintLog:
+    """``<out>/fingerprints.jsonl``: a header, then one record per step, invariants checked on each."""
+
+    def __init__(self, out: Path, graph: Graph, plan: "Plan", say: Callable[[str], None], keep_through: int = 0,
+                 fatal: bool = False, check: bool = True) -> None:
+        self.path = Path(out) / FILE
+        self.plan = plan
+        self.checks = Invariants(graph_header(graph)["header"], say, fatal) if check else None
+        kept = []
+        if keep_through > 0 and self.path.is_file():  # a resume: the steps after the checkpoint run again
+            kept = [line for line, row in read_metrics(self.path, warn=say)
+                    if "header" in row or row.get("step", 0) <= keep_through]
+        self.file = self.path.open("w")
+        for line in kept or [json.dumps(graph_header(graph))]:
+            self.file.write(line + "\n")
+        self.file.flush()
+
+    def step(self, result: Any) -> list[dict[str, Any]]:
+        """Record one step; the invariants it broke (raised instead when fatal)."""
+        record = step_record(result.step, self.plan, result.infos, getattr(result, "syncs", ()))
+        # what the step computed (not how long it took): flowrl diff sizes a difference with them
+        record["metrics"] = {k: v for k, v in result.metrics.items()
+                             if not k.startswith(TIMED) and not k.endswith("_s") and isinstance(v, (int, float))}
+        found = self.checks.check(record, result) if self.checks is not None else []
+        record["invariants"] = found
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.checks is not None:
+            self.checks.raise_if_fatal(found)
+        return found
+
+    def sync(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        if not self.file.closed:
+            self.sync()
+            self.file.close()
+
+
+__all__ = ["FingerprintLog", "WeightDigests", "combine_digests", "field_print", "graph_header", "role_weights", "source_prints", "step_record",
+           "task_prints", "weights_digest"]

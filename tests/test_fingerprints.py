@@ -1,0 +1,139 @@
+"""Fingerprints: every node output of every step as digests and statistics, in fingerprints.jsonl."""
+
+from __future__ import annotations
+
+import json
+import pytest
+import torch
+
+from flowrl.graph import load_graph
+from flowrl.runtime.fingerprints import field_print, step_record, weights_digest
+from flowrl.runtime.rundiff import FingerprintFileError, read_prints
+from flowrl.runtime.scheduler import Runtime
+from flowrl.runtime.trainer import Trainer
+from tests.test_runtime import BIG, batches, graph_from
+
+TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
+
+
+def test_a_field_print_counts_real_tokens_only_and_names_the_first_bad_row():
+    values = torch.tensor([[1.0, 2.0, 100.0], [3.0, float("nan"), 5.0], [float("inf"), 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 0]])
+    fp = field_print(values, mask)
+    # real tokens: 1, 2 | 3, nan, 5 | inf, 0 → finite ones 1, 2, 3, 5, 0
+    assert (fp["n"], fp["sum"], fp["min"], fp["max"]) == (5, 11.0, 0.0, 5.0)
+    assert (fp["nan"], fp["inf"], fp["first_bad"]) == (1, 1, 1)
+    assert fp["shape"] == [3, 3] and fp["dtype"] == "float32"
+    # one digest per row, of its exact bytes: a change in one row changes that row's digest only
+    other = values.clone()
+    other[2, 2] = 1e-7
+    changed = field_print(other, mask)["rows"]
+    assert [a == b for a, b in zip(fp["rows"], changed)] == [True, True, False]
+
+
+def test_weights_digest_sees_one_changed_element_and_names():
+    w = {"a": torch.zeros(3), "b": torch.ones(2, 2)}
+    base = weights_digest(w.items())
+    assert base == weights_digest({k: v.clone() for k, v in w.items()}.items())
+    w2 = {"a": torch.zeros(3), "b": torch.ones(2, 2)}
+    w2["b"][1, 1] = torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))  # one float32 ulp
+    assert weights_digest(w2.items()) != base
+    assert weights_digest({"a2": w["a"], "b": w["b"]}.items()) != base
+
+
+def _records(g, steps=2):
+    with Runtime(g, backend="local", resources=BIG) as rt:
+        return [step_record(r.step, rt.plan, r.infos) for r in rt.run(batches(4), steps=steps)]
+
+
+def test_digests_do_not_depend_on_micro_batches_or_worker_counts(tmp_path):
+    one = _records(graph_from("ppo.yaml", tmp_path, schedule__micro_batches=1))
+    two = _records(graph_from("ppo.yaml", tmp_path, schedule__micro_batches=2,
+                              pools__critic__workers=2))
+    strip = [{n: {f: (fp["hash"], fp["shape"], fp.get("mean")) for f, fp in v["fields"].items()}
+              for n, v in r["nodes"].items()} for r in one]
+    assert strip == [{n: {f: (fp["hash"], fp["shape"], fp.get("mean")) for f, fp in v["fields"].items()}
+                      for n, v in r["nodes"].items()} for r in two]
+    # every node of the graph and the data source is there, with real values
+    assert set(one[0]["nodes"]) >= {"<data>", "generate", "reward", "values", "advantage"}
+    assert one[0]["nodes"]["generate"]["fields"]["responses"]["shape"] == [4, 4]
+    assert one[0]["nodes"]["<data>"]["fields"]["prompts"]["shape"] == [4, 3]
+
+
+def test_a_run_writes_fingerprints_per_step_with_the_weights_each_node_ran_on(tmp_path):
+    g = load_graph("grpo", overrides={**TINY, "trainer.checkpoint_every": 1})
+    Trainer(g, backend="local", steps=2, out=tmp_path, say=lambda m: None).run()
+    header, records = read_prints(tmp_path)
+    assert header["order"][:2] == ["<data>", "generate"] and header["nodes"]["generate"]["role"] == "actor"
+    assert [r["step"] for r in records] == [1, 2]
+    gen = records[0]["nodes"]["generate"]
+    assert gen["fields"]["responses"]["shape"] == [8, 4]
+    assert gen["fields"]["rollout_log_probs"]["max"] <= 0.0 and gen["fields"]["rollout_log_probs"]["nan"] == 0
+    upd1, upd2 = records[0]["nodes"]["update_actor"]["weights"], records[1]["nodes"]["update_actor"]["weights"]
+    # step 2 generated on exactly the weights step 1's update left, and its update started there
+    assert records[1]["nodes"]["generate"]["weights"]["used"] == upd1["after"] == upd2["used"]
+    assert upd1["used"] != upd1["after"] and records[0]["invariants"] == []
+    # a resume rewrites the steps after the checkpoint: the file equals an uninterrupted run's
+    Trainer(load_graph("grpo", overrides=TINY), backend="local", steps=3, out=tmp_path / "straight",
+            say=lambda m: None).run()
+    Trainer(g, backend="local", steps=3, out=tmp_path, resume=True, say=lambda m: None).run()
+    _, resumed = read_prints(tmp_path)
+    _, straight = read_prints(tmp_path / "straight")
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert [r["nodes"] for r in resumed] == [r["nodes"] for r in straight]
+
+
+def test_fingerprints_can_be_turned_off_and_a_damaged_file_is_named(tmp_path):
+    g = load_graph("grpo", overrides={**TINY, "trainer.fingerprints": False})
+    Trainer(g, backend="local", steps=1, out=tmp_path, say=lambda m: None).run()
+    with pytest.raises(FingerprintFileError, match=str(tmp_path / "fingerprints.jsonl")):
+        read_prints(tmp_path)
+    (tmp_path / "fingerprints.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(FingerprintFileError, match="not a fingerprint header"):
+        read_prints(tmp_path)
+    (tmp_path / "fingerprints.jsonl").write_text(json.dumps({"header": {}}) + "\nnot json\n{}\n")
+    with pytest.raises(FingerprintFileError, match="line 2"):
+        read_prints(tmp_path)
+
+
+def _digest_on_rank(rank: int, port: int, weights: dict, queue) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        for dim in (0, 1):  # rows split unevenly (5 rows: FSDP2's way), then columns
+            sharded = [(k, distribute_tensor(v, mesh, [Shard(min(dim, v.dim() - 1))])) for k, v in weights.items()]
+            queue.put((rank, dim, weights_digest(sharded)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_digest_of_weights_sharded_by_rows_is_the_whole_weights_digest():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from flowrl.runtime.fingerprints import combine_digests
+
+    weights = {"w": torch.randn(5, 3), "b": torch.randn(7), "h": torch.randn(4, 6).to(torch.bfloat16)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_digest_on_rank, args=(r, port, weights, queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=120) for _ in range(4)]
+    for p in procs:
+        p.join(timeout=60)
+    whole = weights_digest(weights.items())
+    parts = [d for _, k, d in got if k == 0]
+    assert all(d.startswith("p:") for d in parts) and parts[0] != parts[1]
+    assert combine_digests(parts) == whole
+    assert [d for _, k, d in got if k == 1] == [None, None]  # not whole rows: no digest rather than a wrong one
+    assert combine_digests([whole, whole]) == whole  # full copies on every rank: not added

@@ -1,0 +1,97 @@
+"""Invariants checked every step: each sabotage is caught at the step it happens, naming the node."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from flowrl.graph import load_graph, operator
+from flowrl.runtime.errors import NodeError
+from flowrl.runtime.invariants import InvariantError
+from flowrl.runtime.rundiff import read_prints
+from flowrl.runtime.trainer import Trainer
+from operators.roles import TrainableRole
+
+TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
+_calls = itertools.count()
+
+
+@operator("test.nan_at_second_call", scope="group", group_key="uid", node_name="advantage",
+          inputs={"token_level_rewards": "float32[B, R]", "response_mask": "int64[B, R]", "uid": "object[B]"},
+          outputs={"advantages": "float32[B, R]", "returns": "float32[B, R]"})
+def nan_at_second_call(batch, p):
+    """Zero advantages; on its second call (step 2) row 2 holds a NaN."""
+    adv = torch.zeros(batch["token_level_rewards"].shape)
+    if next(_calls) == 1:
+        adv[2, 1] = float("nan")
+    return {"advantages": adv, "returns": adv.clone()}
+
+
+@operator("test.erroring_reward", inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]"},
+          outputs={"token_level_scores": "float32[B, R]"}, node_name="reward", score="token_level_scores")
+def erroring_reward(batch, p):
+    """Every scoring call failed, and each failure was scored 0."""
+    n = len(batch["responses"])
+    return {"token_level_scores": torch.zeros(batch["responses"].shape)}, {"reward/errors": float(n)}
+
+
+def _run(tmp_path, name, steps, sets=None, fatal=False):
+    said: list[str] = []
+    g = load_graph(name, overrides={**TINY, **(sets or {}), "trainer.invariants": "fatal" if fatal else "warn"})
+    Trainer(g, backend="local", steps=steps, out=tmp_path, say=said.append).run()
+    _, records = read_prints(tmp_path)
+    return {r["step"]: r["invariants"] for r in records}, said
+
+
+def test_a_clean_run_breaks_no_invariant(tmp_path):
+    found, said = _run(tmp_path, "grpo_async", 3)
+    assert found == {1: [], 2: [], 3: []} and not [m for m in said if m.startswith("invariant")]
+
+
+def test_a_nan_injected_in_one_operator_is_named_with_node_field_step_and_row(tmp_path):
+    with pytest.raises(NodeError) as err:
+        _run(tmp_path, "grpo", 3, {"nodes.advantage": {"op": "test.nan_at_second_call",
+                                             "inputs": {"token_level_rewards": "token_level_scores"}}})
+    e = err.value
+    assert (e.node, e.step) == ("advantage", 1)  # 0-based: the second step
+    assert "advantages (first at row 2 of 8)" in str(e)
+
+
+def test_an_update_that_never_reached_the_model_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setattr(TrainableRole, "fit", lambda self, batch, loss_fn, **kw: {})
+    found, said = _run(tmp_path, "grpo", 2)
+    assert [(f["name"], f["node"]) for f in found[1]] == [("weights_unchanged", "update_actor")]
+    assert any(m.startswith("invariant weights_unchanged: step 1, node 'update_actor'") for m in said)
+
+
+def _drop_one_tensor(self, weights):
+    """A push that silently leaves one tensor behind (not the embeddings: lm_head, tied to them, loads them)."""
+    dropped = next(k for k in weights if "q_proj" in k)
+    self.model.load_state_dict({k: v for k, v in weights.items() if k != dropped}, strict=False)
+
+
+def test_a_weight_push_that_drops_one_tensor_is_caught_where_it_lands(tmp_path, monkeypatch):
+    monkeypatch.setattr(TrainableRole, "set_weights", _drop_one_tensor)
+    found, _ = _run(tmp_path, "grpo_async", 3)
+    # staleness 1: step 3 is the first to load weights from the train pool (those of step 1's update)
+    assert found[1] == found[2] == []
+    names = {(f["name"], f["node"]) for f in found[3]}
+    assert ("weights_arrived_different", "sync:rollout") in names
+    assert ("weights_not_as_planned", "generate") in names  # and generation ran on them
+    with pytest.raises(InvariantError, match="at step 3"):
+        _run(tmp_path / "fatal", "grpo_async", 4, fatal=True)
+
+
+def test_a_rollout_on_stale_weights_under_a_new_version_is_caught(tmp_path, monkeypatch):
+    monkeypatch.setattr(TrainableRole, "set_weights", lambda self, weights: None)  # the version moves, weights don't
+    found, _ = _run(tmp_path, "grpo_async", 3)
+    stale = [f for f in found[3] if f["name"] == "weights_not_as_planned"]
+    assert [f["node"] for f in stale] == ["generate"] and "version 1" in stale[0]["message"]
+
+
+def test_errors_scored_as_one_value_for_the_whole_batch_are_caught(tmp_path):
+    found, _ = _run(tmp_path, "grpo", 1, {"nodes.reward": {"op": "test.erroring_reward"}})
+    (f,) = found[1]
+    assert (f["name"], f["node"], f["field"]) == ("constant_on_errors", "reward", "token_level_scores")
