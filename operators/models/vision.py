@@ -33,6 +33,8 @@ import torch
 MULTI_MODAL_INPUTS = "multi_modal_inputs"
 #: its declaration, for operators that take it when the graph has it
 VISION_FIELDS = {MULTI_MODAL_INPUTS: "object[B]"}
+#: the logit of a token the policy never writes (exp underflows to 0 even after a temperature divides it)
+NEVER = -1.0e9
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,13 @@ def vision_token_ids(model: torch.nn.Module) -> list[int]:
 
 
 def without_vision_tokens(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """``logits[..., V]`` with the vision tokens at ``-inf``: the policy of a vision-language model never
-    writes one, in the rollout and in every forward alike (so their log-probs agree)."""
+    """``logits[..., V]`` with the vision tokens out of reach: the policy of a vision-language model never
+    writes one, in the rollout and in every forward alike (so their log-probs agree). A large finite
+    value, not ``-inf``: their probability is exactly 0 and the entropy's ``p log p`` stays 0, not NaN."""
     banned = vision_token_ids(model)
     if not banned:
         return logits
-    return logits.index_fill(-1, torch.tensor(banned, device=logits.device), float("-inf"))
+    return logits.index_fill(-1, torch.tensor(banned, device=logits.device), NEVER)
 
 
 def rope_index(model: torch.nn.Module):
