@@ -33,7 +33,8 @@ def _log_probs(role, batch, p: LogProb) -> torch.Tensor:
 
 
 @operator("logprob.old", role="actor", scope="row", node_name="old_logprob", cost=2.0, params=LogProb,
-          inputs=SEQUENCE_IN, outputs={"old_log_probs": "float32[B, R]"}, balance_by="attention_mask", optional_inputs=tuple(VISION_FIELDS))
+          inputs=SEQUENCE_IN, outputs={"old_log_probs": "float32[B, R]"}, balance_by="attention_mask",
+          optional_inputs=tuple(VISION_FIELDS))
 def old(actor, batch, p: LogProb):
     """log π_old(response | prompt), per token: the PPO ratio's denominator."""
     return {"old_log_probs": _log_probs(actor, batch, p)}
@@ -52,7 +53,8 @@ def old_sum_pi_squared(actor, batch, p: LogProb):
 
 
 @operator("logprob.ref", role="ref", role_kinds=("actor",), scope="row", node_name="ref_logprob", cost=2.0,
-          params=LogProb, inputs=SEQUENCE_IN, outputs={"ref_log_prob": "float32[B, R]"}, balance_by="attention_mask", optional_inputs=tuple(VISION_FIELDS))
+          params=LogProb, inputs=SEQUENCE_IN, outputs={"ref_log_prob": "float32[B, R]"}, balance_by="attention_mask",
+          optional_inputs=tuple(VISION_FIELDS))
 def ref(reference, batch, p: LogProb):
     """log π_ref(response | prompt), per token: the KL anchor."""
     return {"ref_log_prob": _log_probs(reference, batch, p)}

@@ -28,6 +28,7 @@ the file, the row and the picture.
 from __future__ import annotations
 
 import io
+import json
 import os
 import re
 from pathlib import Path
@@ -83,8 +84,6 @@ def is_multimodal(spec: str) -> bool:
             return IMAGE_KEY in pq.ParquetFile(path).schema_arrow.names
         except Exception:  # noqa: BLE001 - an unreadable file is reported by the loader, with its reason
             return False
-    import json
-
     with path.open() as f:
         for line in f:
             if line.strip():
@@ -159,7 +158,8 @@ class MultimodalPromptDataset(PromptDataset):
         super().__init__(rows, processor.tokenizer, **kwargs)
 
     def process(self, row_id: int) -> dict[str, Any]:
-        """Row ``row_id`` through the processor: ``input_ids`` (a list), ``multi_modal_inputs``, ``multi_modal_data``."""
+        """Row ``row_id`` through the processor: ``input_ids`` (a list), ``multi_modal_inputs`` and
+        ``multi_modal_data``."""
         if row_id in self._processed:
             return self._processed[row_id]
         where = f"{self.name}: row {row_id}"
