@@ -24,7 +24,7 @@ from operators.algos import (
     rollout_correction,
 )
 from operators.algos.losses import AGG_MODES
-from operators.logprob import SEQUENCE_IN
+from operators.logprob import SEQUENCE_IMAGES_IN
 from operators.models import response_log_probs
 from operators.models.vision import VISION_FIELDS, vision_inputs
 
@@ -130,7 +130,7 @@ def _kl_loss_has_reference(graph):
     "actor.update", role="actor", scope="batch", dispatch="all", updates_role=True, node_name="update_actor",
     cost=4.0, params=ActorUpdate, optional_inputs=("ref_log_prob", "rollout_log_probs", *VISION_FIELDS),
     balance_by="attention_mask",
-    inputs={**SEQUENCE_IN, "response_mask": "int64[B, R]", "old_log_probs": "float32[B, R]",
+    inputs={**SEQUENCE_IMAGES_IN, "response_mask": "int64[B, R]", "old_log_probs": "float32[B, R]",
             "advantages": "float32[B, R]", "ref_log_prob": "float32[B, R]", "rollout_log_probs": "float32[B, R]"},
     outputs={},
 )

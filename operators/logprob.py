@@ -16,9 +16,10 @@ from flowrl.graph import Params, operator
 from operators.models import response_log_probs, response_log_probs_and_sum_pi_squared
 from operators.models.vision import VISION_FIELDS, vision_inputs
 
-# a vision-language model's forward also reads the rows' images, when the graph's source has them
 SEQUENCE_IN = {"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]", "position_ids": "int64[B, T]",
-               "responses": "int64[B, R]", **VISION_FIELDS}
+               "responses": "int64[B, R]"}
+# a vision-language model's forward also reads the rows' images, when the graph's source has them
+SEQUENCE_IMAGES_IN = {**SEQUENCE_IN, **VISION_FIELDS}
 
 
 class LogProb(Params):
@@ -33,7 +34,7 @@ def _log_probs(role, batch, p: LogProb) -> torch.Tensor:
 
 
 @operator("logprob.old", role="actor", scope="row", node_name="old_logprob", cost=2.0, params=LogProb,
-          inputs=SEQUENCE_IN, outputs={"old_log_probs": "float32[B, R]"}, balance_by="attention_mask",
+          inputs=SEQUENCE_IMAGES_IN, outputs={"old_log_probs": "float32[B, R]"}, balance_by="attention_mask",
           optional_inputs=tuple(VISION_FIELDS))
 def old(actor, batch, p: LogProb):
     """log π_old(response | prompt), per token: the PPO ratio's denominator."""
@@ -41,7 +42,7 @@ def old(actor, batch, p: LogProb):
 
 
 @operator("logprob.old_sum_pi_squared", role="actor", scope="row", node_name="old_logprob", cost=2.0, params=LogProb,
-          inputs=SEQUENCE_IN, outputs={"old_log_probs": "float32[B, R]", "sum_pi_squared": "float32[B, R]"},
+          inputs=SEQUENCE_IMAGES_IN, outputs={"old_log_probs": "float32[B, R]", "sum_pi_squared": "float32[B, R]"},
           balance_by="attention_mask", optional_inputs=tuple(VISION_FIELDS))
 def old_sum_pi_squared(actor, batch, p: LogProb):
     """log π_old(response | prompt) and Σ_v π_old(v)², per token (for advantage.optimal_token_baseline)."""
@@ -53,7 +54,8 @@ def old_sum_pi_squared(actor, batch, p: LogProb):
 
 
 @operator("logprob.ref", role="ref", role_kinds=("actor",), scope="row", node_name="ref_logprob", cost=2.0,
-          params=LogProb, inputs=SEQUENCE_IN, outputs={"ref_log_prob": "float32[B, R]"}, balance_by="attention_mask",
+          params=LogProb, inputs=SEQUENCE_IMAGES_IN, outputs={"ref_log_prob": "float32[B, R]"},
+          balance_by="attention_mask",
           optional_inputs=tuple(VISION_FIELDS))
 def ref(reference, batch, p: LogProb):
     """log π_ref(response | prompt), per token: the KL anchor."""

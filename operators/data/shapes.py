@@ -26,11 +26,12 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw
 
+from operators.data.tasks import Task, TaskRows
 from operators.models.tiny_vl import COLORS, SHAPES
 
 #: the RGB of each colour word
@@ -73,34 +74,25 @@ def count_sample(rng: np.random.Generator) -> tuple[Image.Image, str]:
     return image, str(count)
 
 
-class ShapeRows(Sequence[dict]):
-    """``size`` rows of an image task in verl's multimodal layout; row ``i`` depends only on ``(seed, i)``."""
+class ShapeRows(TaskRows):
+    """``size`` rows of an image task in verl's multimodal layout; row ``i`` depends only on ``(seed, i)``:
+    :class:`~operators.data.tasks.TaskRows`' text row with the row's picture in ``images``."""
 
     def __init__(self, task: str = "builtin:shapes", *, size: int = 100_000, seed: int = 0):
-        self.task = task.removeprefix("builtin:")
-        if self.task not in IMAGE_TASKS:
+        name = task.removeprefix("builtin:")
+        if name not in IMAGE_TASKS:
             raise ValueError(f"unknown image task {task!r}; available: "
                              + ", ".join(f"builtin:{k}" for k in IMAGE_TASKS))
-        if size <= 0:
-            raise ValueError(f"task size must be positive, got {size}")
-        self.size, self.seed = size, seed
-
-    def __len__(self) -> int:
-        return self.size
+        super().__init__(size=size, seed=seed)
+        self.draw = color_sample if name == "shapes" else count_sample
+        question = f"<image> {IMAGE_TASKS[name]}"
+        self.task = Task(name, question, lambda rng: (question, self.draw(rng)[1]))
 
     def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
-        if not -self.size <= i < self.size:
-            raise IndexError(f"row {i} out of range for a task of {self.size} rows")
-        i = i % self.size
-        sample = color_sample if self.task == "shapes" else count_sample
-        image, answer = sample(np.random.default_rng((self.seed, i)))
-        return {
-            "prompt": [{"role": "user", "content": f"<image> {IMAGE_TASKS[self.task]}"}],
-            "images": [image],
-            "data_source": f"builtin:{self.task}",
-            "reward_model": {"style": "rule", "ground_truth": answer},
-            "extra_info": {"index": i},
-        }
+        row = super().__getitem__(i)
+        # the same draws as the answer's: the picture the answer is about
+        image, _ = self.draw(np.random.default_rng((self.seed, row["extra_info"]["index"])))
+        return {**row, "images": [image]}
 
 
 def is_image_task(spec: str) -> bool:

@@ -34,10 +34,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer
 
 from operators.models.hf import hf
-from operators.models.tiny import BOS, EOS, PAD, UNK
+from operators.models.tiny import BOS, EOS, PAD, UNK, tiny_core_tokenizer
 
 # transformers is fetched (:func:`hf`) where something is built: declaring operators does not pay for it
 if TYPE_CHECKING:
@@ -71,12 +71,7 @@ HIDDEN = 128
 
 def tiny_vl_core_tokenizer() -> Tokenizer:
     """The word-level ``tokenizers`` core (no transformers): what ``flowrl validate`` reads prompts with."""
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
-    )
-    core.add_special_tokens(SPECIAL_TOKENS)
-    return core
+    return tiny_core_tokenizer(VOCAB, SPECIAL_TOKENS)
 
 
 def build_tiny_vl_tokenizer() -> PreTrainedTokenizerFast:
