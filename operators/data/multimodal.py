@@ -156,6 +156,7 @@ class MultimodalPromptDataset(PromptDataset):
         self.processor = processor
         self._processed: dict[int, dict[str, Any]] = {}
         super().__init__(rows, processor.tokenizer, **kwargs)
+        self._processed.clear()  # the overlong filter read every row: keep none of their pixels
 
     def process(self, row_id: int) -> dict[str, Any]:
         """Row ``row_id`` through the processor: ``input_ids`` (a list), ``multi_modal_inputs`` and
