@@ -24,8 +24,9 @@ from operators.algos import (
     rollout_correction,
 )
 from operators.algos.losses import AGG_MODES
-from operators.logprob import SEQUENCE_IN
+from operators.logprob import SEQUENCE_IMAGES_IN
 from operators.models import response_log_probs
+from operators.models.vision import VISION_FIELDS, vision_inputs
 
 AGG = f"^({'|'.join(AGG_MODES)})$"
 
@@ -127,8 +128,9 @@ def _kl_loss_has_reference(graph):
 
 @operator(
     "actor.update", role="actor", scope="batch", dispatch="all", updates_role=True, node_name="update_actor",
-    cost=4.0, params=ActorUpdate, optional_inputs=("ref_log_prob", "rollout_log_probs"), balance_by="attention_mask",
-    inputs={**SEQUENCE_IN, "response_mask": "int64[B, R]", "old_log_probs": "float32[B, R]",
+    cost=4.0, params=ActorUpdate, optional_inputs=("ref_log_prob", "rollout_log_probs", *VISION_FIELDS),
+    balance_by="attention_mask",
+    inputs={**SEQUENCE_IMAGES_IN, "response_mask": "int64[B, R]", "old_log_probs": "float32[B, R]",
             "advantages": "float32[B, R]", "ref_log_prob": "float32[B, R]", "rollout_log_probs": "float32[B, R]"},
     outputs={},
 )
@@ -157,7 +159,8 @@ def update(actor, batch, p: ActorUpdate):
     def loss_fn(mb, norm=None):
         log_prob, entropy = response_log_probs(actor.model, mb["input_ids"], mb["attention_mask"],
                                                mb["position_ids"], mb["responses"].shape[1], p.temperature,
-                                               with_entropy=True, entropy_grad=p.entropy_coeff > 0)
+                                               with_entropy=True, entropy_grad=p.entropy_coeff > 0,
+                                               vision=vision_inputs(mb))
         mask = mb["response_mask"]
         agg = agg_kwargs(norm)
         weights = None

@@ -24,6 +24,8 @@ from flowrl.graph import source
 from flowrl.graph.checks import DataSourceError, graph_check
 from operators.data.dataset import (SAMPLE_ROWS, DatasetError, PromptLoader, chat_messages, check_batch_size,
                                     inspect_file, load_dataset, unknown_words, vocabulary_problem)
+from operators.data.multimodal import MULTIMODAL_FIELDS, is_multimodal, load_multimodal_dataset, load_processor
+from operators.data.shapes import ShapeRows, is_image_task
 from operators.data.tasks import TaskRows
 from operators.models.loading import (ModelLoadError, check_tokenizer_spec, has_chat_template, load_tokenizer,
                                       vocabulary)
@@ -76,7 +78,8 @@ def source_rows(spec: str, size: int) -> tuple[int, list[dict[str, Any]]]:
     """``(number of rows, the first rows)`` of ``builtin:<task>`` (``size`` rows) or a dataset file, checked
     as the run checks them and read as little as possible: what validate-time checks inspect."""
     if spec.startswith("builtin:"):
-        return size, list(TaskRows(spec, size=min(size, SAMPLE_ROWS), seed=0))
+        rows = ShapeRows if is_image_task(spec) else TaskRows
+        return size, list(rows(spec, size=min(size, SAMPLE_ROWS), seed=0))
     return inspect_file(spec)
 
 
@@ -157,9 +160,15 @@ class PromptSource:
         # a builtin validation set is drawn from another seed: prompts the policy never trained on
         data_seed = seed if split == "train" else seed + 7919
         size = cfg.task_size if split == "train" else cfg.val_size
-        self.dataset = load_dataset(spec, tok, seed=data_seed, task_size=size,
-                                    max_prompt_length=cfg.max_prompt_length, truncation=cfg.truncation,
-                                    filter_overlong_prompts=cfg.filter_overlong_prompts)
+        limits = {"max_prompt_length": cfg.max_prompt_length, "truncation": cfg.truncation,
+                  "filter_overlong_prompts": cfg.filter_overlong_prompts}
+        # an image source is read with the model's processor: its image tokens count in every length
+        processor = load_processor(tokenizer) if is_multimodal(spec) else None
+        if is_multimodal(spec) and processor is None:
+            raise DatasetError(f"{spec}: the prompts have images, but {tokenizer!r} has no processor; use a "
+                               f"vision-language model (builtin:tiny-vl, or a directory AutoProcessor loads)")
+        self.dataset = (load_multimodal_dataset(spec, processor, seed=data_seed, task_size=size, **limits)
+                        if processor is not None else load_dataset(spec, tok, seed=data_seed, task_size=size, **limits))
         # validation takes its whole held-out set (up to val_size prompts) as one batch
         batch = cfg.batch_size if split == "train" else min(cfg.val_size, len(self.dataset))
         self.loader = PromptLoader(self.dataset, batch, shuffle=cfg.shuffle and split == "train",
@@ -176,7 +185,8 @@ class PromptSource:
             tensors={"prompts": b["input_ids"], "prompt_mask": b["attention_mask"]},
             non_tensors={"data_source": b["data_source"], "ground_truth": b["ground_truth"],
                          "extra_info": b["extra_info"], "reward_style": b["reward_style"],
-                         "agent_name": b["agent_name"], "uid": uid},
+                         "agent_name": b["agent_name"], "uid": uid,
+                         **{k: b[k] for k in MULTIMODAL_FIELDS if k in b}},
             meta_info={"tokenizer": self.tokenizer_spec},
         )
 
@@ -215,7 +225,7 @@ def tokenizer_origin(cfg: PromptSourceConfig, roles: dict[str, Any]) -> tuple[st
 
 
 def _fields(cfg: PromptSourceConfig) -> dict[str, str]:
-    return PROMPT_FIELDS
+    return {**PROMPT_FIELDS, **MULTIMODAL_FIELDS} if is_multimodal(cfg.source) else PROMPT_FIELDS
 
 
 @source("builtin", config=PromptSourceConfig, fields=_fields)

@@ -5,7 +5,8 @@ number of ranks wrote them) and the graph it belongs to; this module builds the
 role's model from the graph (``builtin:tiny`` or a local directory, its dtype),
 maps the checkpoint's names onto it through a :class:`StateDictAdapter` (a tied
 parameter, stored once, is tied again) and writes ``config.json``,
-``model.safetensors`` and the tokenizer files.
+``model.safetensors`` and the tokenizer files (and a vision-language model's
+processor, which ``AutoProcessor`` loads).
 
 The tokenizer is written to encode a plain prompt as the model saw prompts in
 training: when the chat template the prompts were formatted with starts with
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 
+from operators.data.multimodal import load_processor
 from operators.models.fsdp import tied_parameters
 from operators.models.loading import load_model, save_model
 
@@ -94,7 +96,11 @@ def export_hf(weights: dict[str, torch.Tensor], graph: dict[str, Any], out_dir: 
         if fit.unexpected_keys:
             parts.append(f"the checkpoint has {_some(fit.unexpected_keys, 'tensor')} the model lacks")
         raise ExportError(f"{where}: the weights of role {role!r} do not fit model {spec!r}: {'; '.join(parts)}")
-    return save_model(model, with_training_bos(tokenizer), out_dir)
+    out = save_model(model, with_training_bos(tokenizer), out_dir)
+    processor = load_processor(spec)
+    if processor is not None:  # image prompts go through it: its tokenizer as the prompts were encoded
+        processor.save_pretrained(out)
+    return out
 
 
 #: the model head each role kind trains (``load_model``'s ``head``); any other kind is a causal LM

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from operators.algos.functional import entropy_from_logits, logprobs_from_logits, sum_pi_squared_from_logits
+from operators.models.vision import VisionInputs, rope_positions, without_vision_tokens
 
 
 def response_log_probs(
@@ -44,6 +45,7 @@ def response_log_probs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    vision: VisionInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(log_probs[B, R], entropy[B, R] or None)`` of the response tokens under ``softmax(logits / T)``.
 
@@ -51,8 +53,9 @@ def response_log_probs(
     Use the rollout's temperature, so the result matches ``rollout_log_probs``.
     ``entropy_grad=False``: the entropy is a metric only, computed without a graph
     (a full-vocabulary softmax the backward pass need not visit).
+    ``vision``: the rows' images (:func:`~operators.models.vision.vision_inputs`), for a vision-language model.
     """
-    logits = response_logits(model, input_ids, attention_mask, position_ids, response_length, temperature)
+    logits = response_logits(model, input_ids, attention_mask, position_ids, response_length, temperature, vision)
     log_probs = logprobs_from_logits(logits, input_ids[:, -response_length:])
     if not with_entropy:
         return log_probs, None
@@ -67,10 +70,11 @@ def response_log_probs_and_sum_pi_squared(
     position_ids: torch.Tensor,
     response_length: int,
     temperature: float = 1.0,
+    vision: VisionInputs | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_probs[B, R], sum_pi_squared[B, R])``: also ``Σ_v π(v)²`` at each response token, as verl's
     ``actor.calculate_sum_pi_squared`` gives it (same temperature-scaled distribution), from one forward."""
-    logits = response_logits(model, input_ids, attention_mask, position_ids, response_length, temperature)
+    logits = response_logits(model, input_ids, attention_mask, position_ids, response_length, temperature, vision)
     return logprobs_from_logits(logits, input_ids[:, -response_length:]), sum_pi_squared_from_logits(logits)
 
 
@@ -81,19 +85,28 @@ def response_logits(
     position_ids: torch.Tensor,
     response_length: int,
     temperature: float = 1.0,
+    vision: VisionInputs | None = None,
 ) -> torch.Tensor:
-    """``logits[B, R, V] / T`` in fp32 at the positions that predict the response tokens."""
+    """``logits[B, R, V] / T`` in fp32 at the positions that predict the response tokens.
+
+    With ``vision``, the model also reads the rows' pixels, and its positions come from its own rope
+    index over the image grids (``[3, B, T]``) instead of ``position_ids``.
+    """
+    extra = {}
+    if vision is not None:
+        position_ids = rope_positions(model, input_ids, attention_mask, vision.image_grid_thw)
+        extra = vision.model_kwargs(model)
     packed = pack_rows(attention_mask, response_length)
     if packed is None:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       logits_to_keep=response_length + 1).logits[:, :-1]
+                       logits_to_keep=response_length + 1, **extra).logits[:, :-1]
     else:
         # the LM head runs from the first column that predicts a response token in any row
         keep = packed.width - int(packed.read.min())
         logits = model(input_ids=packed.take(input_ids), position_ids=packed.take(position_ids),
-                       logits_to_keep=keep).logits
+                       logits_to_keep=keep, **extra).logits
         logits = packed.read_out(logits, keep)
-    logits = logits.float()
+    logits = without_vision_tokens(model, logits.float())
     # greedy rollouts (T = 0) report T = 1 log-probs; dividing by 1 would copy every logit for nothing
     return logits if temperature <= 0 or temperature == 1.0 else logits / temperature
 
@@ -126,8 +139,9 @@ class PackedRows:
     width: int
 
     def take(self, columns: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` per-column inputs (ids, positions) in packed order: ``[B, width]``."""
-        return columns.gather(1, self.source)
+        """``[..., B, T]`` per-column inputs (ids, positions; M-RoPE's ``[3, B, T]``) in packed order:
+        ``[..., B, width]``."""
+        return columns.gather(-1, self.source.expand(*columns.shape[:-2], *self.source.shape))
 
     def read_out(self, outputs: torch.Tensor, kept: int) -> torch.Tensor:
         """``[B, R, ...]`` from outputs of the last ``kept`` packed columns (``[B, kept, ...]``); 0 past

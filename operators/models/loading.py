@@ -29,6 +29,7 @@ from operators.models.hf import hf
 from operators.models.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config, tiny_core_tokenizer
 from operators.models.tiny_tools import (build_tiny_tools_model, build_tiny_tools_tokenizer, tiny_tools_config,
                                          tiny_tools_core_tokenizer)
+from operators.models.tiny_vl import build_tiny_vl_model, build_tiny_vl_tokenizer, tiny_vl_core_tokenizer
 from operators.models.value import ValueModel
 
 # transformers is fetched (:func:`hf`) where a model or tokenizer is built: checking a spec
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 Head = Literal["causal_lm", "value", "reward"]
 DType = Union[str, torch.dtype]
 
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-tools")
+BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-tools", "builtin:tiny-vl")
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -159,6 +160,8 @@ def vocabulary(spec: str) -> Tokenizer | None:
         return tiny_core_tokenizer()
     if spec == "builtin:tiny-tools":
         return tiny_tools_core_tokenizer()
+    if spec == "builtin:tiny-vl":
+        return tiny_vl_core_tokenizer()
     path = Path(spec).expanduser() / "tokenizer.json"
     try:
         return Tokenizer.from_file(str(path)) if path.is_file() else None
@@ -178,6 +181,8 @@ def load_tokenizer(spec: str) -> PreTrainedTokenizerBase:
         return build_tiny_tokenizer()
     if spec == "builtin:tiny-tools":
         return build_tiny_tools_tokenizer()
+    if spec == "builtin:tiny-vl":
+        return build_tiny_vl_tokenizer()
     path = _check_dir(spec)
     AutoTokenizer = hf("AutoTokenizer")
     try:
@@ -223,6 +228,10 @@ def load_model(
 
 
 def _build_tiny(spec: str, head: Head, seed: int) -> torch.nn.Module:
+    if spec == "builtin:tiny-vl":
+        if head != "causal_lm":
+            raise ModelLoadError(f"model {spec!r}: only the policy head is built (head={head!r} is not)")
+        return build_tiny_vl_model(seed)
     tools = spec == "builtin:tiny-tools"
     if head == "causal_lm":
         return build_tiny_tools_model(seed) if tools else build_tiny_model(seed)
@@ -244,6 +253,9 @@ def _load_dir(path: Path, spec: str, head: Head, seed: int, dtype: torch.dtype) 
     AutoModelForSequenceClassification = hf("AutoModelForSequenceClassification")
     try:
         if head == "causal_lm":
+            # a vision-language model (its config has a vision tower) loads with its image-text class
+            if hasattr(AutoConfig.from_pretrained(str(path)), "vision_config"):
+                return hf("AutoModelForImageTextToText").from_pretrained(str(path), dtype=dtype)
             return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
         if head == "value":
             critic = ValueModel(AutoModel.from_pretrained(str(path), dtype=dtype), head_seed=seed)

@@ -46,14 +46,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def tiny_core_tokenizer() -> Tokenizer:
+def tiny_core_tokenizer(vocab: list[str] = VOCAB, special_tokens: list[str] = SPECIAL_TOKENS) -> Tokenizer:
     """The word-level ``tokenizers`` core of :func:`build_tiny_tokenizer`, without transformers: enough to
-    tell which words it knows (``flowrl validate`` reads prompts with it)."""
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token=UNK))
+    tell which words it knows (``flowrl validate`` reads prompts with it). ``vocab``: another word list
+    (``builtin:tiny-vl``'s), special tokens first."""
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Whitespace(), pre_tokenizers.Digits(individual_digits=True)]
     )
-    core.add_special_tokens(SPECIAL_TOKENS)
+    core.add_special_tokens(special_tokens)
     return core
 
 

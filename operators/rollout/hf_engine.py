@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from flowrl.data.expand import expand_rows
 from operators.data.dataset import position_ids_from_mask
 from operators.models.hf import hf
+from operators.models.vision import VisionInputs, rope_positions, without_vision_tokens
 from operators.rollout.base import (RolloutEngine, SamplingParams, call_seeds, rollout_output, sample_seeds,
                                    stream_uniforms)
 from operators.rollout.engines import EngineSource, register_rollout_engine
@@ -108,6 +109,9 @@ class HFRolloutEngine(RolloutEngine):
     ``SamplingParams.seed`` seeds a fresh generator for one call instead.
     """
 
+    #: a vision-language model reads the prompts' images (``generate(..., vision=)``)
+    takes_images = True
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -142,7 +146,8 @@ class HFRolloutEngine(RolloutEngine):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  params: SamplingParams | None = None, *, seeds: torch.Tensor | None = None,
-                 **overrides: Any) -> dict[str, torch.Tensor]:
+                 vision: VisionInputs | None = None, **overrides: Any) -> dict[str, torch.Tensor]:
+        """``vision``: the prompts' images (a vision-language model reads them in the prefill)."""
         params = self.resolve(params, overrides)
         if self._released:
             raise RuntimeError("the rollout engine's memory is released; call resume_memory() first")
@@ -150,7 +155,7 @@ class HFRolloutEngine(RolloutEngine):
         with self._lock:
             seeds = self._seeds(len(input_ids), params, seeds)
             responses, response_mask, log_probs = self._sample(input_ids, attention_mask, params,
-                                                               sample_seeds(seeds, params.n).to(self.device))
+                                                               sample_seeds(seeds, params.n).to(self.device), vision)
         prompts = expand_rows(input_ids, params.n)
         prompt_mask = expand_rows(attention_mask, params.n)
         return rollout_output(prompts, prompt_mask, responses, response_mask, log_probs)
@@ -160,18 +165,26 @@ class HFRolloutEngine(RolloutEngine):
         return call_seeds(count, params, seeds, self.generator)
 
     def _sample(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, params: SamplingParams,
-                seeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                seeds: torch.Tensor, vision: VisionInputs | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         DynamicCache = hf("DynamicCache")
         # prefill each prompt once, then give each of its n samples a copy of the KV cache
         cache = DynamicCache()
-        positions = position_ids_from_mask(prompt_mask)
+        extra = {}
+        if vision is None:
+            positions = position_ids_from_mask(prompt_mask)
+            last = positions[:, -1:]
+        else:  # the model's own rope index places the image grids; text after them counts on from its max
+            positions = rope_positions(self.model, prompts, prompt_mask, vision.image_grid_thw)
+            last = positions[:, :, -1].amax(0).unsqueeze(-1)
+            extra = vision.model_kwargs(self.model)
         logits = self.model(input_ids=prompts, attention_mask=prompt_mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits[:, -1]
+                            past_key_values=cache, use_cache=True, **extra).logits[:, -1]
         if params.n > 1:
             cache.batch_repeat_interleave(params.n)
             logits = logits.repeat_interleave(params.n, dim=0)
         mask = prompt_mask.repeat_interleave(params.n, dim=0)
-        next_position = positions[:, -1:].repeat_interleave(params.n, dim=0) + 1
+        next_position = last.repeat_interleave(params.n, dim=0) + 1
 
         batch, max_new = mask.shape[0], params.max_new_tokens
         responses = torch.full((batch, max_new), self.pad_token_id, dtype=torch.long, device=self.device)
@@ -180,7 +193,7 @@ class HFRolloutEngine(RolloutEngine):
         rows = torch.arange(batch, device=self.device)  # the batch rows in the decode batch
         alive = torch.ones(batch, dtype=torch.bool, device=self.device)
         for t in range(max_new):
-            token, log_prob = sample_next_token(logits, params, seeds, t)
+            token, log_prob = sample_next_token(without_vision_tokens(self.model, logits), params, seeds, t)
             token = token.masked_fill(~alive, self.pad_token_id)
             responses[rows, t] = token
             response_mask[rows, t] = alive.long()

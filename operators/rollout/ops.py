@@ -11,6 +11,7 @@ from pydantic import Field
 from flowrl.data.metrics import maximum
 from flowrl.graph import Params, operator
 from flowrl.graph.checks import ParameterError, graph_check
+from operators.models.vision import VISION_FIELDS, vision_inputs
 from operators.rollout.base import SamplingParams
 
 
@@ -35,9 +36,9 @@ SEQUENCE_FIELDS = {
 
 @operator(
     "rollout.generate", role="actor", scope="row", expands="n", cost=3.0, node_name="generate",
-    inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "uid": "object[B]"},
+    inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "uid": "object[B]", **VISION_FIELDS},
     outputs={**SEQUENCE_FIELDS, "rollout_log_probs": "float32[B, R]", "weight_version": "int64[B]"},
-    params=Generate, optional_inputs=("uid",),
+    params=Generate, optional_inputs=("uid", *VISION_FIELDS),
     # a second generation (ReMax's greedy baseline) is read only for its responses: the full
     # sequences and log-probs it also writes are by-products, not a wiring mistake
     aux_outputs=("input_ids", "attention_mask", "position_ids", "rollout_log_probs", "weight_version"),
@@ -51,7 +52,12 @@ def generate(actor, batch, p: Generate):
     """
     sampling = SamplingParams(n=p.n, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                               top_p=p.top_p, top_k=p.top_k, greedy=p.greedy)
-    out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling, seeds=actor.sampling_seeds(batch))
+    images = {} if (vision := vision_inputs(batch)) is None else {"vision": vision}
+    if images and not getattr(actor.engine, "takes_images", False):
+        raise ValueError(f"the prompts have images, but the {type(actor.engine).__name__} rollout engine does not "
+                         f"take them; use rollout engine 'hf'")
+    out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling, seeds=actor.sampling_seeds(batch),
+                                **images)
     lengths = out["response_mask"].sum(-1).float()
     version = torch.full((len(lengths),), actor.version, dtype=torch.int64)
     metrics = {"response_length/mean": lengths.mean(), "response_length/max": maximum(lengths.max()),
