@@ -36,17 +36,16 @@ from flowrl.data.dispatch import get_mode
 from flowrl.graph import Graph
 from flowrl.runtime.backends import Backend, describe_death, make_backend
 from flowrl.runtime.errors import NodeError, RuntimeFailure, WorkerDiedError
-from flowrl.runtime.faults import Fault, fault_from_env
+from flowrl.runtime.faults import fault_from_env
 from flowrl.runtime.plan import Plan, Task, make_plan
 from flowrl.runtime.reads import fetched, task_input
 from flowrl.runtime.refill import keyed_draw, refill_of, refill_step
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
 from flowrl.runtime.restarts import Restarts, replace_dead
-from flowrl.runtime.rowspace import input_space
 from flowrl.runtime.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
 from flowrl.runtime.watchdog import check_timeouts, get_within
-from flowrl.runtime.worker import Call, Info, NodeEntry
+from flowrl.runtime.worker import Call, Info, node_entries
 
 TaskKey = tuple[str, int | None]
 
@@ -120,7 +119,7 @@ class Runtime:
         if self._started:
             return self
         fault = fault_from_env()
-        nodes = {p.kind: _entries(p, fault) for p in self.plan.runs()}
+        nodes = {p.kind: node_entries(p, fault) for p in self.plan.runs()}
         # no idle driver process when every node runs in a pool
         self.backend.start(self.plan.pools, nodes, self.graph.config.trainer.seed, driver=self.plan.driver)
         self._started = True
@@ -382,22 +381,3 @@ class Runtime:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-
-def _entries(plan: Plan, fault: Fault | None = None) -> dict[str, NodeEntry]:
-    """What workers need to run each node of ``plan``'s graph (``fault``: the fault switch)."""
-    graph = plan.graph
-    sources = {f.name for f in graph.source_fields}
-    return {
-        n: NodeEntry(node.op, node.params, node.role,
-                     inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
-                     outputs=dict(node.config.outputs), name=n, on_error=node.config.on_error,
-                     group=input_space(graph, plan.spaces, n).factor,
-                     fault=fault if fault is not None and fault.node == n else None,
-                     fingerprint=graph.config.trainer.fingerprints,
-                     source_inputs=tuple(sorted(set(node.input_names()) & sources)))
-        for n, node in graph.nodes.items()
-    }
-
-
-__all__ = ["DataSourceMismatch", "Runtime", "StepResult"]

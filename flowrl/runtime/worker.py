@@ -18,7 +18,7 @@ import os
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import RowKeys, get_mode
@@ -32,6 +32,10 @@ from flowrl.runtime.faults import Fault, Injector, RefillNeeded, run_guarded
 from flowrl.runtime.hangs import thread_stacks
 from flowrl.runtime.fingerprints import WeightDigests, source_prints, task_prints
 from flowrl.runtime.pools import RoleBuild
+from flowrl.runtime.rowspace import input_space
+
+if TYPE_CHECKING:
+    from flowrl.runtime.plan import Plan
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,25 @@ class NodeEntry:
     fault: Fault | None = None  # the fault switch, when it names this node
     fingerprint: bool = False  # report the output's fingerprints (flowrl.runtime.fingerprints)
     source_inputs: tuple[str, ...] = ()  # the data-source fields it reads (fingerprinted by their first reader)
+
+
+def node_entries(plan: Plan, fault: Fault | None = None) -> dict[str, NodeEntry]:
+    """What workers need to run each node of ``plan``'s graph (``fault``: the fault switch)."""
+    graph = plan.graph
+    sources = {f.name for f in graph.source_fields}
+    return {
+        n: NodeEntry(node.op, node.params, node.role,
+                     inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
+                     outputs=dict(node.config.outputs), name=n, on_error=node.config.on_error,
+                     group=input_space(graph, plan.spaces, n).factor,
+                     fault=fault if fault is not None and fault.node == n else None,
+                     fingerprint=graph.config.trainer.fingerprints,
+                     source_inputs=tuple(sorted(set(node.input_names()) & sources)))
+        for n, node in graph.nodes.items()
+    }
+
+
+__all__ = ["DataSourceMismatch", "Runtime", "StepResult"]
 
 
 @dataclass
