@@ -227,8 +227,19 @@ def run(
         False, "--ray-listen-all",
         help="let the local Ray listen on every network interface (default: 127.0.0.1 only; "
              "anyone who can reach an open Ray can run code as you)"),
+    verbose: bool = typer.Option(False, "-v", "--verbose",
+                                 help="after the first step, print the start-up timeline (which process did what, when)"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
+    from flowrl.runtime.ray_start import prestart  # light: Ray starts on a thread before torch is imported
+
+    if resume and overwrite:
+        err_console.print("[bold red]error[/] --resume continues the run in the directory and --overwrite "
+                          "replaces it: give one of them")
+        raise typer.Exit(2)
+    if ray_listen_all:
+        os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
+    prestart(backend, address)  # its seconds overlap loading the graph
     from flowrl.runtime.backends import BACKENDS
     from flowrl.runtime.errors import RuntimeFailure
     from flowrl.runtime.trainer import Trainer
@@ -238,12 +249,6 @@ def run(
         err_console.print(f"[bold red]error[/] --backend {_escape(backend)!s}: not a backend; "
                           f"use one of {', '.join(sorted(BACKENDS))}")
         raise typer.Exit(2)
-    if resume and overwrite:
-        err_console.print("[bold red]error[/] --resume continues the run in the directory and --overwrite "
-                          "replaces it: give one of them")
-        raise typer.Exit(2)
-    if ray_listen_all:
-        os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
     g = _load_checked(graph, set_)
     total = steps if steps is not None else g.config.trainer.steps
     trainer = None
@@ -251,7 +256,7 @@ def run(
         with LiveView(g, total_steps=total, console=console) as view:
             trainer = Trainer(g, backend=backend, steps=steps, out=out, address=address, trace=trace,
                               on_step=view.step, on_progress=view.progress, resume=resume, say=view.say,
-                              overwrite=overwrite, history_limit=0)
+                              overwrite=overwrite, history_limit=0, show_startup=verbose)
             view.placement = dict(trainer.runtime.plan.moved)
             view.say(f"{g.name}: {total} steps on the {backend} backend → {trainer.out}")
             trainer.run()
