@@ -240,6 +240,7 @@ def run(
     if ray_listen_all:
         os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
     prestart(backend, address)  # its seconds overlap loading the graph
+    g = _load_checked(graph, set_)  # before the runtime's imports: a wrong graph is said at once
     from flowrl.runtime.backends import BACKENDS
     from flowrl.runtime.errors import RuntimeFailure
     from flowrl.runtime.trainer import Trainer
@@ -249,7 +250,6 @@ def run(
         err_console.print(f"[bold red]error[/] --backend {_escape(backend)!s}: not a backend; "
                           f"use one of {', '.join(sorted(BACKENDS))}")
         raise typer.Exit(2)
-    g = _load_checked(graph, set_)
     total = steps if steps is not None else g.config.trainer.steps
     trainer = None
     try:
