@@ -9,6 +9,7 @@ listening on loopback only, unless a cluster address is given.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from typing import Any
 
@@ -17,7 +18,7 @@ from flowrl.runtime.backend import Backend, backend
 from flowrl.runtime.errors import PlacementError, RuntimeFailure
 from flowrl.runtime.pools import DRIVER, PoolSpec
 from flowrl.runtime.runlog import log_offset, warning_notes
-from flowrl.runtime.startup import Span, span
+from flowrl.runtime.startup import Span, process_start, span
 from flowrl.runtime.traits import RAY
 from flowrl.runtime.worker import Call, NodeEntry
 from flowrl.runtime.worker_process import ProcessWorker
@@ -42,12 +43,15 @@ class RayBackend(Backend):
 
     def start(self, pools: list[PoolSpec], nodes: dict[str, dict[str, NodeEntry]], seed: int,
               driver: bool = True) -> None:
+        self.spans = [Span("driver", "command started, graph loaded, plan made", process_start(), time.time(),
+                           os.getpid())]
         self._boot = boot = ray_start.take(self.address)  # begun early by `flowrl run`, else here
-        ray = boot.ready()
+        with span(self.spans, "driver", "waited for Ray's start"):
+            ray = boot.ready()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self._started_ray = boot.started_ray
-        self.spans = [boot.span] if boot.span is not None else []
+        self.spans += [boot.span] if boot.span is not None else []
         self._log_offset = log_offset(self.log_path)
         total = ray.cluster_resources()
         need_cpu = sum(p.workers * p.cpus for p in pools)
@@ -93,7 +97,7 @@ class RayBackend(Backend):
                 bundle["GPU"] = p.gpus
             bundles[p.name] = bundle or {"CPU": 0.001}
             pg = ray.util.placement_group([dict(bundles[p.name]) for _ in range(p.workers)], strategy="PACK",
-                                 name=f"flowrl-{p.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+                                          name=f"flowrl-{p.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self.groups.append(pg)
             self._pg_of[p.name] = pg
         try:
@@ -126,12 +130,11 @@ class RayBackend(Backend):
         return warning_notes(self.log_path, self._log_offset)
 
     def _form_groups(self, ray: Any, pools: list[PoolSpec]) -> None:
-        """Every pool of N > 1: rank 0 listens, all ranks join (at once) and build their roles."""
-        joins = []
-        for p in pools:
-            address = self._get(ray, self.actors[(p.name, 0)].listen.remote(_group_host(ray, self._pg_of[p.name])))
-            joins += [self.actors[(p.name, r)].join_group.remote(address, p.backend, p.timeout_s)
-                      for r in range(p.workers)]
+        """Every pool of N > 1: rank 0 listens, all ranks join (at once) and build their roles; the
+        pools side by side."""
+        listening = [self.actors[(p.name, 0)].listen.remote(_group_host(ray, self._pg_of[p.name])) for p in pools]
+        joins = [self.actors[(p.name, r)].join_group.remote(address, p.backend, p.timeout_s)
+                 for p, address in zip(pools, self._get(ray, listening)) for r in range(p.workers)]
         self._get(ray, joins)
 
     def submit(self, pool: str, rank: int, call: Call, inputs: list[Any]) -> tuple[Any, Any]:
