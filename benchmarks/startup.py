@@ -88,10 +88,10 @@ def main() -> None:
     rows = [[b, f"{med[b]:.1f}", " ".join(f"{x:.1f}" for x in first[b]), f"{statistics.median(total[b]):.1f}"]
             for b in BACKENDS]
     ratio = med["ray"] / med["local"]
-    print_table(f"time to first step of graphs/grpo.yaml: median of {args.rounds} round(s), {args.steps} step(s) "
-                f"per run", ["backend", "first step s", "each round", "whole run s"], rows,
-                notes=[f"ratio ray/local: {ratio:.2f}x (target: at most 2x)",
-                       f"os.cpu_count()={os.cpu_count()}; load average {os.getloadavg()[0]:.1f}"])
+    print_table("time to first step of graphs/grpo.yaml", ["backend", "first step s", "each round", "whole run s"],
+                rows, notes=[f"median of {args.rounds} round(s) of {args.steps} step(s), backends alternating",
+                             f"ratio ray/local: {ratio:.2f}x (target: at most 2x)",
+                             f"os.cpu_count()={os.cpu_count()}; load average {os.getloadavg()[0]:.1f}"])
     if timeline:
         print("\nthe last Ray run's " + timeline[0])
         print("\n".join(timeline[1:]))

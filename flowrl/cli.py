@@ -227,8 +227,9 @@ def run(
         False, "--ray-listen-all",
         help="let the local Ray listen on every network interface (default: 127.0.0.1 only; "
              "anyone who can reach an open Ray can run code as you)"),
-    verbose: bool = typer.Option(False, "-v", "--verbose",
-                                 help="after the first step, print the start-up timeline (which process did what, when)"),
+    verbose: bool = typer.Option(
+        False, "-v", "--verbose",
+        help="after the first step, print the start-up timeline (which process did what, when)"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
     from flowrl.runtime.ray_start import prestart  # light: Ray starts on a thread before torch is imported

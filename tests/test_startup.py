@@ -23,7 +23,8 @@ def test_the_timeline_reads_in_order_of_start():
     spans = [Span("train[0]", "role actor built (actor)", 12.0, 14.5), Span("driver", "ray.init", 10.5, 11.0)]
     lines = describe(spans, t0=10.0)
     assert lines[1].split() == ["0.50", "→", "1.00", "(", "0.50", "s)", "driver", "ray.init"]
-    assert lines[2].split() == ["2.00", "→", "4.50", "(", "2.50", "s)", "train[0]", "role", "actor", "built", "(actor)"]
+    built = ["2.00", "→", "4.50", "(", "2.50", "s)", "train[0]", "role", "actor", "built", "(actor)"]
+    assert lines[2].split() == built
     assert describe([]) == []
 
 

@@ -38,8 +38,8 @@ def ray_address(ray_session) -> str:
 
 def write_reward(tmp_path: Path, body: str) -> str:
     path = tmp_path / "my_reward.py"
-    path.write_text("import warnings\n\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                    + body)
+    path.write_text("import warnings\n\n\n"
+                    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n" + body)
     return f"{path}:compute_score"
 
 

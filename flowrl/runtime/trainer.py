@@ -2,7 +2,9 @@
 
 Each step's metrics go to ``<out>/metrics.jsonl`` (one JSON object per line,
 ``step`` included) and to a callback (the CLI prints them). The resolved graph
-config is written to ``<out>/config.yaml`` before the first step.
+config is written to ``<out>/config.yaml`` before the first step. What the worker
+processes print, and the full traceback of a failure, go to ``<out>/run.log``
+(:mod:`flowrl.runtime.runlog`).
 
 Every ``trainer.checkpoint_every`` steps, at the end of every run, and on a
 graceful stop (Ctrl-C or SIGTERM: the steps in flight finish, then it saves
