@@ -28,6 +28,7 @@ from rich.table import Table
 
 from flowrl.graph import GraphError, REGISTRY, load_graph
 from flowrl.graph.checks import GraphProblem
+from flowrl.runtime.ray_start import prestart
 from flowrl.runtime.traits import traits_of
 
 app = typer.Typer(
@@ -232,15 +233,13 @@ def run(
         help="after the first step, print the start-up timeline (which process did what, when)"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
-    from flowrl.runtime.ray_start import prestart  # light: Ray starts on a thread before torch is imported
-
     if resume and overwrite:
         err_console.print("[bold red]error[/] --resume continues the run in the directory and --overwrite "
                           "replaces it: give one of them")
         raise typer.Exit(2)
     if ray_listen_all:
         os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
-    prestart(backend, address)  # its seconds overlap loading the graph
+    prestart(backend, address)  # Ray starts on a thread: its seconds overlap loading the graph
     g = _load_checked(graph, set_)  # before the runtime's imports: a wrong graph is said at once
     from flowrl.runtime.backends import BACKENDS
     from flowrl.runtime.errors import RuntimeFailure
