@@ -26,6 +26,7 @@ import typer
 from rich.console import Console
 
 from flowrl import cli_debug
+from flowrl.runtime.ray_start import prestart
 
 if TYPE_CHECKING:
     from flowrl.graph.checks import GraphProblem
@@ -266,8 +267,19 @@ def run(
         False, "--ray-listen-all",
         help="let the local Ray listen on every network interface (default: 127.0.0.1 only; "
              "anyone who can reach an open Ray can run code as you)"),
+    verbose: bool = typer.Option(
+        False, "-v", "--verbose",
+        help="after the first step, print the start-up timeline (which process did what, when)"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
+    if resume and overwrite:
+        err_console.print("[bold red]error[/] --resume continues the run in the directory and --overwrite "
+                          "replaces it: give one of them")
+        raise typer.Exit(2)
+    if ray_listen_all:
+        os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
+    prestart(backend, address)  # Ray starts on a thread: its seconds overlap loading the graph
+    g = _load_checked(graph, set_)  # before the runtime's imports: a wrong graph is said at once
     from flowrl.runtime.backends import BACKENDS
     from flowrl.runtime.errors import RuntimeFailure
     from flowrl.runtime.trainer import Trainer
@@ -277,20 +289,13 @@ def run(
         err_console.print(f"[bold red]error[/] --backend {_escape(backend)!s}: not a backend; "
                           f"use one of {', '.join(sorted(BACKENDS))}")
         raise typer.Exit(2)
-    if resume and overwrite:
-        err_console.print("[bold red]error[/] --resume continues the run in the directory and --overwrite "
-                          "replaces it: give one of them")
-        raise typer.Exit(2)
-    if ray_listen_all:
-        os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
-    g = _load_checked(graph, set_)
     total = steps if steps is not None else g.config.trainer.steps
     trainer = None
     try:
         with LiveView(g, total_steps=total, console=console) as view:
             trainer = Trainer(g, backend=backend, steps=steps, out=out, address=address, trace=trace,
                               on_step=view.step, on_progress=view.progress, resume=resume, say=view.say,
-                              overwrite=overwrite, history_limit=0)
+                              overwrite=overwrite, history_limit=0, show_startup=verbose)
             view.placement = dict(trainer.runtime.plan.moved)
             view.say(f"{g.name}: {total} steps on the {backend} backend → {trainer.out}")
             trainer.run()

@@ -34,12 +34,13 @@ EXPECTED = {
     "plain_grpo.py": ["done: 3 steps"],
     "plan_search.py": ["plan search on grpo", "median |error|"],
     "scheduler.py": ["makespan vs lower bound", "flowrl mb=4 staleness=1", "fan-out: 1 producer"],
+    "startup.py": ["time to first step of graphs/grpo.yaml", "ratio ray/local"],
     "tokens.py": ["padded vs trimmed", "trimmed"],
 }
 
 
 #: the slowest first, so that the short ones fill in around them
-ORDER = ["dispatch.py", "scheduler.py", "distributed.py", "dataproto.py", "cli.py", "tokens.py"]
+ORDER = ["dispatch.py", "scheduler.py", "startup.py", "distributed.py", "dataproto.py", "cli.py", "tokens.py"]
 #: smoke runs at once: most of a run is process start-up and imports, which overlap well on 2 cores
 PARALLEL = 4
 

@@ -19,6 +19,7 @@ built in are ``local`` (:mod:`flowrl.runtime.local`) and ``ray``
 from __future__ import annotations
 
 import abc
+from pathlib import Path
 from typing import Any, Callable
 
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S
@@ -33,6 +34,8 @@ class Backend(abc.ABC):
     name = "base"
     #: what the plan depends on (:mod:`flowrl.runtime.traits`); set by :func:`backend`
     traits: BackendTraits = LOCAL
+    #: the run's log (:mod:`flowrl.runtime.runlog`): where worker processes' output goes; None: keep none
+    log_path: Path | None = None
 
     @abc.abstractmethod
     def start(self, pools: list[PoolSpec], nodes: dict[str, dict[str, NodeEntry]], seed: int,
@@ -100,6 +103,13 @@ class Backend(abc.ABC):
     def discard(self, handles: list[Any]) -> None:
         """Handles the runtime no longer needs, some of which will fail (a task run again): let them
         go without reporting their errors as unhandled."""
+    def startup_spans(self) -> list[Any]:
+        """What each process did while the workers started (:class:`~flowrl.runtime.startup.Span`)."""
+        return []
+
+    def notes(self) -> list[str]:
+        """Lines for the terminal at the end of a run (one per distinct warning the workers logged)."""
+        return []
 
     def shutdown(self) -> None:
         pass

@@ -9,17 +9,24 @@ Example::
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from flowrl.runtime.backend import BACKENDS, Backend, backend, describe_death
 from flowrl.runtime.local import LocalBackend
 from flowrl.runtime.pools import DRIVER, PoolSpec
 from flowrl.runtime.ray_backend import RayBackend
+from flowrl.runtime.runlog import quiet_known_warnings
 
 
-def make_backend(name: str, address: str | None = None) -> Backend:
-    """A new backend of the registered kind ``name``."""
+def make_backend(name: str, address: str | None = None, log_path: Path | None = None) -> Backend:
+    """A new backend of the registered kind ``name``; ``log_path``: the run's log, for what worker
+    processes print (:mod:`flowrl.runtime.runlog`)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; registered backends: {', '.join(sorted(BACKENDS))}")
-    return BACKENDS[name](address=address)
+    quiet_known_warnings()  # in this process too: the local backend runs operators here
+    made = BACKENDS[name](address=address)
+    made.log_path = log_path
+    return made
 
 
 __all__ = ["BACKENDS", "DRIVER", "Backend", "backend", "LocalBackend", "RayBackend", "PoolSpec", "make_backend",

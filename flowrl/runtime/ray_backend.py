@@ -8,18 +8,22 @@ listening on loopback only, unless a cluster address is given.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
+import time
 import uuid
 from typing import Any
 
+from flowrl.runtime import ray_start
 from flowrl.runtime.backend import Backend, backend
-from flowrl.runtime.errors import PlacementError
+from flowrl.runtime.errors import PlacementError, RuntimeFailure
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
 from flowrl.runtime.pools import DRIVER, PoolSpec
+from flowrl.runtime.runlog import log_offset, warning_notes
+from flowrl.runtime.startup import Span, process_start, span
 from flowrl.runtime.traits import RAY
-from flowrl.runtime.worker import Call, NodeEntry, Worker
+from flowrl.runtime.worker import Call, NodeEntry
+from flowrl.runtime.worker_process import ProcessWorker
 
 
 #: a thread of each actor that answers while its task thread is busy (or stuck): stacks
@@ -39,51 +43,23 @@ class RayBackend(Backend):
         self._pg_of: dict[str, Any] = {}  # pool → its placement group
         self._pools: dict[str, PoolSpec] = {}  # what a replaced worker is started with
         self._started_ray = False
+        self._boot: ray_start.RayStart | None = None
         self.pids: dict[tuple[str, int], int] = {}
-
-    def _init_ray(self) -> Any:
-        """Join ``address`` (or ``RAY_ADDRESS``), else start a local Ray listening on 127.0.0.1 only.
-
-        An unauthenticated Ray runs code for whoever reaches it, so the local one is
-        closed to the network unless ``FLOWRL_RAY_LISTEN_ALL=1`` (``flowrl run
-        --ray-listen-all``) opens it.
-        """
-        address = self.address or os.environ.get("RAY_ADDRESS") or None
-        loopback = not address and os.environ.get("FLOWRL_RAY_LISTEN_ALL", "") not in ("1", "true", "yes")
-        if loopback:
-            # Ray binds every server to its node address and takes 127.0.0.1 as that address
-            # only with its single-machine switch; set before Ray reads it (here and in the
-            # processes ray.init starts) — _node_ip_address="127.0.0.1" is rewritten to the LAN IP
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        import ray
-
-        if not ray.is_initialized():
-            if loopback:
-                from ray._private import ray_constants
-
-                ray_constants.ENABLE_RAY_CLUSTER = False
-            env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
-            # Ray's own start-up chatter would interleave with the run's view; errors still show
-            quiet = {"logging_level": logging.ERROR, "log_to_driver": True}
-            if address:
-                _reachable(address, "--address" if self.address else "RAY_ADDRESS in the environment")
-                try:
-                    ray.init(address=address, runtime_env=env, **quiet)
-                except ConnectionError as e:
-                    origin = "--address" if self.address else "RAY_ADDRESS in the environment"
-                    raise PlacementError(f"cannot join the Ray cluster at {address} ({origin}): {e}. Start it, "
-                                         f"or unset RAY_ADDRESS to run on a local Ray") from None
-            else:  # a Ray of its own: ray.init() alone would join whatever local cluster another process started
-                ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env, **quiet)
-            self._started_ray = True
-        return ray
+        self.spans: list[Span] = []  # the start-up of the driver's side and of every worker
+        self._log_offset = 0  # where this run's part of the log starts
 
     def start(self, pools: list[PoolSpec], nodes: dict[str, dict[str, NodeEntry]], seed: int,
               driver: bool = True) -> None:
-        ray = self._init_ray()
-        from ray.util.placement_group import placement_group
+        self.spans = [Span("driver", "command started, graph loaded, plan made", process_start(), time.time(),
+                           os.getpid())]
+        self._boot = boot = ray_start.take(self.address)  # begun early by `flowrl run`, else here
+        with span(self.spans, "driver", "waited for Ray's start"):
+            ray = boot.ready()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        self._started_ray = boot.started_ray
+        self.spans += [boot.span] if boot.span is not None else []
+        self._log_offset = log_offset(self.log_path)
         total = ray.cluster_resources()
         need_cpu = sum(p.workers * p.cpus for p in pools)
         need_gpu = sum(p.workers * p.gpus for p in pools)
@@ -93,46 +69,80 @@ class RayBackend(Backend):
                 f"{total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs "
                 f"({', '.join(f'{p.name}: {p.workers}×({p.cpus:g} CPU, {p.gpus:g} GPU)' for p in pools)})"
             )
-        self._actor_cls = actor_cls = ray.remote(concurrency_groups=CONTROL)(Worker)
+        self._actor_cls = actor_cls = ray.remote(concurrency_groups=CONTROL)(ProcessWorker)
         self._nodes, self._seed, self._strategy, self._ray = nodes, seed, PlacementGroupSchedulingStrategy, ray
+        with span(self.spans, "driver", "placement groups ready"):
+            self._place(ray, pools)
+        # every worker process is asked for before any is waited on: they start (import, build
+        # their roles) side by side
+        with span(self.spans, "driver", "workers started, roles built"):
+            for p in pools:
+                self._pools[p.name] = p
+                for rank in range(p.workers):
+                    self.actors[(p.name, rank)] = self._worker(p, rank)
+            if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
+                self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
+                    self._log(), DRIVER, 0, 1, [], nodes, seed, 1)
+            self._form_groups(ray, [p for p in pools if p.workers > 1])
+            # surface role-construction errors and dead workers now, not mid-step
+            keys = list(self.actors)
+            pids = self._get(ray, [self.actors[k].ping.remote() for k in keys])
+        self.pids = dict(zip(keys, pids))
+        for spans in self._get(ray, [self.actors[k].startup_spans.remote() for k in keys]):
+            self.spans += spans
+
+    def _log(self) -> str | None:
+        """The run's log, where each worker process writes what it prints (:mod:`flowrl.runtime.runlog`)."""
+        return str(self.log_path) if self.log_path is not None else None
+
+    def _place(self, ray: Any, pools: list[PoolSpec]) -> None:
+        """A placement group per pool (bundle: a worker's resources), all asked for, then waited on together."""
+        bundles = {}
         for p in pools:
             bundle = {"CPU": p.cpus} if p.cpus else {}
             if p.gpus:
                 bundle["GPU"] = p.gpus
-            if not bundle:
-                bundle = {"CPU": 0.001}
-            pg = placement_group([dict(bundle) for _ in range(p.workers)], strategy="PACK",
-                                 name=f"flowrl-{p.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            bundles[p.name] = bundle or {"CPU": 0.001}
+            pg = ray.util.placement_group([dict(bundles[p.name]) for _ in range(p.workers)], strategy="PACK",
+                                          name=f"flowrl-{p.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             self.groups.append(pg)
             self._pg_of[p.name] = pg
-            try:
-                ray.get(pg.ready(), timeout=self.placement_timeout_s)
-            except Exception:
-                avail = ray.available_resources()
-                raise PlacementError(
-                    f"pool {p.name!r}: {p.workers} worker(s) × {bundle} could not be placed within "
-                    f"{self.placement_timeout_s:g}s; available now: CPU {avail.get('CPU', 0):g}, "
-                    f"GPU {avail.get('GPU', 0):g}"
-                ) from None
-            self._pools[p.name] = p
-            for rank in range(p.workers):
-                self.actors[(p.name, rank)] = self._worker(p, rank)
-        self._form_groups(ray, [p for p in pools if p.workers > 1])
-        if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
-            self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
-                DRIVER, 0, 1, [], nodes, seed, 1)
-        # surface role-construction errors and dead workers now, not mid-step
-        keys = list(self.actors)
-        pids = ray.get([self.actors[k].ping.remote() for k in keys])
-        self.pids = dict(zip(keys, pids))
+        try:
+            ray.get([self._pg_of[p.name].ready() for p in pools], timeout=self.placement_timeout_s)
+        except Exception:
+            avail = ray.available_resources()
+            p = next((p for p in pools if not self._pg_of[p.name].wait(timeout_seconds=0)), pools[0])
+            raise PlacementError(
+                f"pool {p.name!r}: {p.workers} worker(s) × {bundles[p.name]} could not be placed within "
+                f"{self.placement_timeout_s:g}s; available now: CPU {avail.get('CPU', 0):g}, "
+                f"GPU {avail.get('GPU', 0):g}"
+            ) from None
+
+    @staticmethod
+    def _get(ray: Any, handles: Any, timeout: float | None = None) -> Any:
+        """``ray.get``, raising a worker's own error (a :class:`NodeError`) as the worker raised it, without
+        Ray's wrapping (its ``ray::Worker.execute()`` header and its copy of the traceback)."""
+        try:
+            return ray.get(handles, timeout=timeout)
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            if isinstance(cause, RuntimeFailure):
+                raise cause from None
+            raise
+
+    def startup_spans(self) -> list[Span]:
+        return list(self.spans)
+
+    def notes(self) -> list[str]:
+        return warning_notes(self.log_path, self._log_offset)
 
     def _worker(self, p: PoolSpec, rank: int, first_process: bool = True) -> Any:
         """The actor of (pool ``p``, ``rank``) in its bundle of the pool's placement group."""
         strategy = self._strategy(placement_group=self._pg_of[p.name], placement_group_bundle_index=rank)
         return self._actor_cls.options(
             num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy, name=None, max_restarts=0,
-        ).remote(p.name, rank, p.workers, p.roles, self._nodes, self._seed, max(1, int(p.cpus)), p.gpus, True,
-                 first_process)
+        ).remote(self._log(), p.name, rank, p.workers, p.roles, self._nodes, self._seed,
+                 max(1, int(p.cpus)), p.gpus, True, first_process)
 
     def dead_workers(self) -> list[tuple[str, int]]:
         ray = self._ray
@@ -166,13 +176,12 @@ class RayBackend(Backend):
         threading.Thread(target=drain, name="flowrl-discard", daemon=True).start()
 
     def _form_groups(self, ray: Any, pools: list[PoolSpec]) -> None:
-        """Every pool of N > 1: rank 0 listens, all ranks join (at once) and build their roles."""
-        joins = []
-        for p in pools:
-            address = ray.get(self.actors[(p.name, 0)].listen.remote(_group_host(ray, self._pg_of[p.name])))
-            joins += [self.actors[(p.name, r)].join_group.remote(address, p.backend, p.timeout_s)
-                      for r in range(p.workers)]
-        ray.get(joins)
+        """Every pool of N > 1: rank 0 listens, all ranks join (at once) and build their roles; the
+        pools side by side."""
+        listening = [self.actors[(p.name, 0)].listen.remote(_group_host(ray, self._pg_of[p.name])) for p in pools]
+        joins = [self.actors[(p.name, r)].join_group.remote(address, p.backend, p.timeout_s)
+                 for p, address in zip(pools, self._get(ray, listening)) for r in range(p.workers)]
+        self._get(ray, joins)
 
     def submit(self, pool: str, rank: int, call: Call, inputs: list[Any]) -> tuple[Any, Any]:
         return self.actors[(pool, rank)].execute.options(num_returns=2).remote(call, *inputs)
@@ -188,7 +197,7 @@ class RayBackend(Backend):
     def get(self, handle: Any, timeout: float | None = None) -> Any:
         import ray
 
-        return ray.get(handle, timeout=timeout)
+        return self._get(ray, handle, timeout)
 
     def wait(self, handles: list[Any], timeout: float) -> tuple[list[Any], list[Any]]:
         import ray
@@ -200,7 +209,7 @@ class RayBackend(Backend):
     def get_many(self, handles: list[Any]) -> list[Any]:
         import ray
 
-        return ray.get(handles)
+        return self._get(ray, handles)
 
     def worker_label(self, pool: str, rank: int) -> str:
         pid = self.pids.get((pool, rank))
@@ -240,21 +249,7 @@ class RayBackend(Backend):
         self._pools.clear()
         if self._started_ray:
             ray.shutdown()
-
-
-def _reachable(address: str, origin: str, timeout_s: float = 5.0) -> None:
-    """Fail fast, naming ``origin``, when a ``host:port`` cluster address does not answer (Ray would retry
-    for minutes)."""
-    import socket
-
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address:
-        return  # "auto", ray://...: Ray resolves those itself
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout_s).close()
-    except OSError as e:
-        raise PlacementError(f"cannot reach the Ray cluster at {address} ({origin}): {e.strerror or e}. Start "
-                             f"it, fix the address, or unset RAY_ADDRESS to run on a local Ray") from None
+            self._boot.release()
 
 
 def _group_host(ray: Any, pg: Any) -> str:

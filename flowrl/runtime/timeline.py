@@ -11,6 +11,7 @@ import json
 from collections import deque
 from pathlib import Path
 
+from flowrl.runtime.startup import Span, chrome_events
 from flowrl.runtime.worker import Info
 
 
@@ -42,17 +43,18 @@ class Timeline:
         return [(x, y) for x in self.of_node(a, step_a) for y in self.of_node(b, step_b)
                 if x.start < y.end and y.start < x.end]
 
-    def to_chrome_trace(self, path: str | Path) -> Path:
-        """Write a Chrome/Perfetto trace: one process per pool, one thread per rank."""
-        if not self.records:
-            t0 = 0.0
-        else:
-            t0 = min(r.start for r in self.records)
+    def to_chrome_trace(self, path: str | Path, startup: list[Span] = ()) -> Path:
+        """Write a Chrome/Perfetto trace: one process per pool, one thread per rank; the
+        ``startup`` spans (:mod:`flowrl.runtime.startup`) as a process of their own, before them."""
+        starts = [r.start for r in self.records] + [s.start for s in startup]
+        t0 = min(starts) if starts else 0.0
         pools = sorted({r.pool for r in self.records})
         pid = {p: i + 1 for i, p in enumerate(pools)}
         events: list[dict] = [
             {"ph": "M", "name": "process_name", "pid": pid[p], "args": {"name": f"pool {p}"}} for p in pools
         ]
+        if startup:
+            events += chrome_events(list(startup), t0, len(pools) + 1)
         for r in self.records:
             name = (r.node if r.mb is None else f"{r.node}[{r.mb}]") + ("" if r.plan == "train" else f" ({r.plan})")
             events.append({

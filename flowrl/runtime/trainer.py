@@ -2,7 +2,9 @@
 
 Each step's metrics go to ``<out>/metrics.jsonl`` (one JSON object per line,
 ``step`` included) and to a callback (the CLI prints them). The resolved graph
-config is written to ``<out>/config.yaml`` before the first step.
+config is written to ``<out>/config.yaml`` before the first step. What the worker
+processes print, and the full traceback of a failure, go to ``<out>/run.log``
+(:mod:`flowrl.runtime.runlog`).
 
 Every ``trainer.checkpoint_every`` steps, at the end of every run, and on a
 graceful stop (Ctrl-C or SIGTERM: the steps in flight finish, then it saves
@@ -39,12 +41,16 @@ import yaml
 from flowrl.graph import REGISTRY, Graph
 from flowrl.runtime.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
                                        fingerprint, worker_counts)
+from flowrl.runtime.backends import make_backend
 from flowrl.runtime.dumps import graph_fields, write_rollouts
 from flowrl.runtime.plancheck import PlanCheck
 from flowrl.runtime.fingerprints import FingerprintLog
+from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.rundir import RunDirectory
+from flowrl.runtime.runlog import RUN_LOG, record_failure
 from flowrl.runtime.scheduler import Runtime, StepResult
 from flowrl.runtime.sinks import open_sinks, read_metrics
+from flowrl.runtime.startup import describe
 
 #: task records kept in the driver when no trace is written (a few steps' worth: memory stays flat)
 TIMELINE_RECORDS = 1_000
@@ -68,7 +74,9 @@ class Trainer:
         on_progress: Callable[[int, dict[str, str]], None] | None = None,
         overwrite: bool = False,
         history_limit: int | None = None,
+        show_startup: bool = False,
     ) -> None:
+        """``show_startup``: after the first step, ``say`` the start-up timeline (``flowrl run -v``)."""
         self.graph = graph
         cfg = graph.config
         self.steps = steps if steps is not None else cfg.trainer.steps
@@ -81,8 +89,11 @@ class Trainer:
         self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
         # the plan carries the validation run when trainer.val_every asks (the check refused a graph
         # that scores nothing)
-        self.runtime = Runtime(graph, backend=backend, address=address, on_progress=on_progress,
-                               fetch=fetch, stage=self.store.stage)
+        #: what worker processes print, and the traceback of a failure (:mod:`flowrl.runtime.runlog`)
+        self.log_path = self.out / RUN_LOG
+        self.runtime = Runtime(graph, backend=make_backend(backend, address, self.log_path), address=address,
+                               on_progress=on_progress, fetch=fetch, stage=self.store.stage)
+        self.show_startup = show_startup
         kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
         spec = REGISTRY.source(kind)
         data_cfg = spec.config.model_validate(cfg.data.dump())
@@ -108,10 +119,15 @@ class Trainer:
             rundir.claim(resume=self.resume, overwrite=self.overwrite)
             try:
                 return self._run()
+            except RuntimeFailure as e:
+                record_failure(self.log_path, e)  # the traceback goes to the log, the message names it
+                raise
             finally:
                 if self.trace is not None:
-                    self.runtime.timeline.to_chrome_trace(self.trace)
+                    self.runtime.timeline.to_chrome_trace(self.trace, self.runtime.backend.startup_spans())
                 self.runtime.close()
+                for line in self.runtime.backend.notes():
+                    self.say(line)
                 self.store.discard_staged()  # shards written for a checkpoint that was never saved
 
     def _run(self) -> list[dict[str, float]]:
@@ -152,6 +168,9 @@ class Trainer:
                         saved = result.step
                     if self.on_step is not None:
                         self.on_step(result.step, row)
+                    if self.show_startup and result.step == start_step:
+                        for line in describe(self.runtime.backend.startup_spans(), self.runtime.timeline.records):
+                            self.say(line)
                 if self.stopped and done > saved:
                     sinks.sync()
                     self._save(done, self.runtime.snapshot_now(done, self.source))

@@ -1,0 +1,65 @@
+"""The start-up timeline (issue 26): which process did what, when, in the trace and in ``flowrl run -v``."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from flowrl.graph import load_graph
+from flowrl.runtime import ray_start, startup
+from flowrl.runtime.startup import Span, describe, process_start
+from flowrl.runtime.trainer import Trainer
+
+TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
+
+
+def test_a_process_started_before_it_imported_anything():
+    assert process_start() <= startup.IMPORTED_AT <= time.time()
+    assert process_start(os.getppid()) <= process_start()  # the parent was there first
+
+
+def test_the_timeline_reads_in_order_of_start():
+    spans = [Span("train[0]", "role actor built (actor)", 12.0, 14.5), Span("driver", "ray.init", 10.5, 11.0)]
+    lines = describe(spans, t0=10.0)
+    assert lines[1].split() == ["0.50", "→", "1.00", "(", "0.50", "s)", "driver", "ray.init"]
+    built = ["2.00", "→", "4.50", "(", "2.50", "s)", "train[0]", "role", "actor", "built", "(actor)"]
+    assert lines[2].split() == built
+    assert describe([]) == []
+
+
+def test_ray_start_joins_a_running_ray_without_owning_it(ray_session):
+    boot = ray_start.begin(None)
+    assert ray_start.take(None) is boot  # the backend takes the start `flowrl run` began
+    assert boot.ready() is ray_session and not boot.started_ray  # not ours to shut down
+    assert boot.span is not None and boot.span.start <= boot.span.end
+
+
+def test_a_ray_run_records_each_process_start_in_the_trace_and_prints_it(ray_session, tmp_path):
+    said: list[str] = []
+    trace = tmp_path / "trace.json"
+    trainer = Trainer(load_graph("grpo", overrides=TINY), backend="ray", steps=1, out=tmp_path / "run",
+                      trace=trace, say=said.append, show_startup=True)
+    trainer.run()
+    spans = trainer.runtime.backend.startup_spans()
+    by = {(s.who, s.what): s for s in spans}
+    worker = [by[("train[0]", w)] for w in ("interpreter and Ray started", "flowrl runtime imported",
+                                              "role actor built (actor)")]
+    assert all(a.end <= b.start + 1e-6 for a, b in zip(worker, worker[1:]))  # one after another, in order
+    placed, started = by[("driver", "placement groups ready")], by[("driver", "workers started, roles built")]
+    assert placed.end <= started.start + 1e-6 and worker[-1].end <= started.end  # waited for, then built
+    assert len({s.pid for s in spans if s.who == "train[0]"}) == 1 and os.getpid() not in {w.pid for w in worker}
+
+    # flowrl run -v: the timeline after the first step, each worker's first task last
+    first = said.index("start-up timeline (seconds since the command started):")
+    timeline = said[first + 1:first + 1 + len(spans) + 1]
+    assert "train[0]" in timeline[-1] and timeline[-1].endswith("first task (generate, step 1)")
+    assert sum("role actor built (actor)" in line for line in timeline) == 1
+
+    # the trace: a "start-up" process with a thread per process, before the pools' tasks
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["name"] in ("process_name", "thread_name")}
+    assert {"start-up", "driver", "train[0]", "pool train"} <= names
+    built = next(e for e in events if e["name"] == "role actor built (actor)")
+    generate = next(e for e in events if e["name"] == "generate")
+    assert built["ts"] + built["dur"] <= generate["ts"]
