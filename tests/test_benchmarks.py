@@ -31,6 +31,7 @@ EXPECTED = {
     "engines.py": ["rollout engines", "hf tok/s"],
     "metrics_snapshot.py": ["grpo           local recorded 2 steps", "MATCH: identical"],
     "plain_grpo.py": ["done: 3 steps"],
+    "seeds.py": ["seeds of grpo", "greedy held-out, final: mean (min-max) over 2 seeds"],
     "scheduler.py": ["makespan vs lower bound", "flowrl mb=4 staleness=1", "fan-out: 1 producer"],
     "tokens.py": ["padded vs trimmed", "trimmed"],
 }
