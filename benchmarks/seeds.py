@@ -43,12 +43,20 @@ def parse_seeds(text: str) -> list[int]:
     return seeds
 
 
-def run_seed(graph_name: str, seed: int, overrides: dict, steps: int | None, backend: str) -> dict:
+def run_seed(graph_name: str, seed: int, overrides: dict, steps: int | None, backend: str,
+             verbose: bool = False) -> dict:
     """One run: its final greedy held-out reward, last-``TAIL``-step mean reward and wall seconds."""
     graph = load_graph(graph_name, overrides={**overrides, "trainer.seed": seed})
+
+    def say_held_out(step: int, row: dict) -> None:
+        if verbose and "val/reward/mean" in row:
+            print(f"  seed {seed} step {row.get('step', step + 1)}: held-out {row['val/reward/mean']:.3f}, "
+                  f"reward {row['reward/mean']:.3f}", flush=True)
+
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
-        history = Trainer(graph, backend=backend, steps=steps, out=out, say=lambda _: None).run()
+        history = Trainer(graph, backend=backend, steps=steps, out=out, say=lambda _: None,
+                          on_step=say_held_out).run()
     wall = time.perf_counter() - start
     held_out = [row["val/reward/mean"] for row in history if "val/reward/mean" in row]
     rewards = [row["reward/mean"] for row in history]
@@ -69,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="local")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     parser.add_argument("--json", default=None, help="also write every seed's figures here")
+    parser.add_argument("--verbose", action="store_true", help="print each validation as it comes")
     parser.add_argument("--smoke", action="store_true", help="2 seeds, 3 small steps: the script still runs")
     args = parser.parse_args(argv)
     overrides = parse_overrides(args.set)
@@ -83,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'seed':>4}  {'held-out':>8}  {'reward last ' + str(TAIL):>14}  {'wall s':>7}  {'wall / seed ' + str(seeds[0]):>16}")
     runs = []
     for seed in seeds:
-        run = run_seed(args.graph, seed, overrides, args.steps, args.backend)
+        run = run_seed(args.graph, seed, overrides, args.steps, args.backend, args.verbose)
         runs.append(run)
         print(f"{seed:>4}  {run['held_out']:>8.3f}  {run['reward_tail']:>14.3f}  "
               f"{run['wall_s']:>7.1f}  {run['wall_s'] / runs[0]['wall_s']:>16.2f}", flush=True)
