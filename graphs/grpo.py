@@ -16,4 +16,4 @@ def grpo(batch):
     batch = rollout.generate(batch, n=8, max_new_tokens=8, temperature=1.0)
     batch = reward.rule(batch)
     batch = advantage.grpo(batch, inputs={"token_level_rewards": "token_level_scores"})
-    return actor.update(batch, clip_ratio=0.2, entropy_coeff=0.03, inputs={"old_log_probs": "rollout_log_probs"})
+    return actor.update(batch, clip_ratio=0.2, entropy_coeff=0.05, inputs={"old_log_probs": "rollout_log_probs"})
