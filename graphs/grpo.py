@@ -6,7 +6,7 @@ from operators import actor, advantage, reward, rollout
 
 @graph(
     name="grpo",
-    roles={"actor": {"model": "builtin:tiny", "optim": {"lr": 5.0e-4, "grad_clip": 1.0}}},
+    roles={"actor": {"model": "builtin:tiny", "optim": {"lr": 1.0e-3, "grad_clip": 1.0}}},
     pools={"train": {"workers": 1, "cpus": 1, "roles": ["actor"]}},
     data={"source": "builtin:copy", "batch_size": 32},
     schedule={"micro_batches": 1, "staleness": 0},
@@ -16,4 +16,4 @@ def grpo(batch):
     batch = rollout.generate(batch, n=8, max_new_tokens=8, temperature=1.0)
     batch = reward.rule(batch)
     batch = advantage.grpo(batch, inputs={"token_level_rewards": "token_level_scores"})
-    return actor.update(batch, clip_ratio=0.2, entropy_coeff=0.01, inputs={"old_log_probs": "rollout_log_probs"})
+    return actor.update(batch, clip_ratio=0.2, entropy_coeff=0.05, inputs={"old_log_probs": "rollout_log_probs"})

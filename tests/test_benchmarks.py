@@ -33,6 +33,7 @@ EXPECTED = {
     "metrics_snapshot.py": ["grpo           local recorded 2 steps", "MATCH: identical"],
     "plain_grpo.py": ["done: 3 steps"],
     "plan_search.py": ["plan search on grpo", "median |error|"],
+    "seeds.py": ["seeds of grpo", "greedy held-out, final: mean (min-max) over 2 seeds"],
     "scheduler.py": ["makespan vs lower bound", "flowrl mb=4 staleness=1", "fan-out: 1 producer"],
     "startup.py": ["time to first step of graphs/grpo.yaml", "ratio ray/local"],
     "tokens.py": ["padded vs trimmed", "trimmed"],

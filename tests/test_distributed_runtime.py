@@ -44,7 +44,7 @@ def first_batch(g) -> DataProto:
 
 def single_process_actor(g, weights: dict[str, torch.Tensor] | None = None) -> Actor:
     """The same actor (seed 0) in this process, optionally holding ``weights``."""
-    actor = Actor(ActorConfig(model="builtin:tiny", optim={"lr": 5.0e-4, "grad_clip": 1.0}),  # as grpo.yaml
+    actor = Actor(ActorConfig(model="builtin:tiny", optim=dict(g.config.roles["actor"].optim)),  # as the graph
                   RoleContext("actor", 0, 1, g.config.trainer.seed))
     if weights is not None:
         actor.model.load_state_dict(weights)

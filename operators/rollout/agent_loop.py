@@ -190,11 +190,16 @@ class AgentLoop:
         return trajectories
 
     async def conversation(self, conv: Conversation) -> Trajectory:
-        """Run one conversation's handlers until it is done; the model's mistakes end up in the trajectory."""
-        conv.generator.live += 1
+        """Run one conversation's handlers until it is done; the model's mistakes end up in the trajectory.
+
+        The generator counts the conversation as live from the start of its rollout
+        (:func:`run_rollouts`); conversations it spawns become live as it ends, before it
+        leaves, so a round of turns never starts without one that is about to ask.
+        """
         try:
             while conv.state not in DONE_STATES:
                 conv.traj.state = await getattr(self, self.HANDLERS[conv.state])(conv)
+            conv.generator.live += len(conv.spawned)
         finally:
             conv.generator.live -= 1
             await self.handle_done(conv)
@@ -400,6 +405,8 @@ def run_rollouts(generator: Any, work: Sequence[tuple[AgentLoop, Request]]) -> l
     Requests of different loops share the generator's rounds of turns.
     """
     async def all_of_them() -> list[list[Trajectory]]:
+        # every rollout is live before any asks for a turn: the first round waits for all of them
+        generator.live += len(work)
         return list(await asyncio.gather(*(loop.rollout(generator, request) for loop, request in work)))
 
     return asyncio.run(all_of_them())

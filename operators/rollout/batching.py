@@ -6,7 +6,8 @@ it how many conversations are ``live``. :class:`BatchingFront` serves it from
 any engine's batch ``generate`` (the transformers engine on CPU): requests
 waiting for a turn are gathered into one batched call, so a batch of
 conversations costs one forward loop per round of turns, not one per
-conversation. Engines that batch by themselves (``serves_requests = True``,
+conversation, and a round holds every live conversation (rounds form by count,
+not by timing: runs repeat exactly). Engines that batch by themselves (``serves_requests = True``,
 sglang) are called per request through their ``generate_one`` (sglang's
 ``async_generate``) by :class:`RequestGenerator`. :func:`make_generator` picks.
 """
@@ -39,23 +40,39 @@ def finish_turn(ids: list[int], log_probs: list[float], budget: int, stop_ids: s
 class BatchingFront:
     """Serves single turns from an engine's batch ``generate``: waiting requests share one call.
 
-    A round is launched once every live conversation is waiting for a turn (or
-    ``max_wait_s`` after the first one asked, so a slow tool delays no one). The
-    batched call runs in a thread, so tools keep running meanwhile. Rows are
+    A round is launched once every live conversation is waiting for a turn, so
+    which requests share a round (and with it the padding, and the rounding of
+    every row) depends on the conversations alone, never on how fast a tool
+    answered: two runs with the same seeds sample the same tokens. A slow tool
+    holds the round up to its timeout; ``max_wait_s`` (off by default) launches
+    a round that long after its first request instead, trading that
+    reproducibility for latency. Rows of a round are ordered by their seeds.
+    The batched call runs in a thread, so tools keep running meanwhile. Rows are
     left-padded prompts of different lengths; each row is cut to its own token
     budget afterwards.
     """
 
     def __init__(self, engine: RolloutEngine, params: SamplingParams, stop_token_ids: set[int],
-                 pad_token_id: int, max_wait_s: float = 0.02):
+                 pad_token_id: int, max_wait_s: float | None = None):
         self.engine, self.params = engine, params
         self.stop_ids, self.pad_token_id = set(stop_token_ids), pad_token_id
         self.max_wait_s = max_wait_s
-        self.live = 0
+        self._live = 0
         self.rounds = 0
         self._queue: list[tuple[list[int], int, int | None, asyncio.Future]] = []
         self._arrived: asyncio.Event | None = None
         self._runner: asyncio.Task | None = None
+
+    @property
+    def live(self) -> int:
+        """Conversations that have not ended: the agent loop counts them, a round waits for all of them."""
+        return self._live
+
+    @live.setter
+    def live(self, count: int) -> None:
+        self._live = count
+        if self._arrived is not None:   # one fewer to wait for: the round may be complete now
+            self._arrived.set()
 
     async def generate(self, context_ids: list[int], max_new_tokens: int, seed: int | None = None) -> Generation:
         loop = asyncio.get_running_loop()
@@ -71,14 +88,17 @@ class BatchingFront:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while self._queue:
-            deadline = loop.time() + self.max_wait_s
-            while len(self._queue) < self.live and loop.time() < deadline:
+            deadline = None if self.max_wait_s is None else loop.time() + self.max_wait_s
+            while len(self._queue) < self.live:
                 self._arrived.clear()
                 try:
-                    await asyncio.wait_for(self._arrived.wait(), deadline - loop.time())
+                    timeout = None if deadline is None else max(deadline - loop.time(), 0.0)
+                    await asyncio.wait_for(self._arrived.wait(), timeout)
                 except asyncio.TimeoutError:
                     break
             batch, self._queue = self._queue, []
+            if None not in (seed for _, _, seed, _ in batch):   # arrival order is timing: seeds are not
+                batch.sort(key=lambda request: request[2])
             try:
                 results = await asyncio.to_thread(self._generate, [request[:3] for request in batch])
             except Exception as err:  # the engine failed: every waiting request learns why
