@@ -27,6 +27,7 @@ from typing import Any, Callable
 import _common  # noqa: F401  (repository on sys.path, one torch thread)
 from _common import print_table
 
+import flowrl.runtime.fingerprints as fingerprints
 import flowrl.runtime.worker as worker
 from flowrl.graph import load_graph
 from flowrl.runtime.fingerprints import FingerprintLog
@@ -50,8 +51,9 @@ def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def instrument() -> None:
     """Time every fingerprint call: the worker's (same process on the local backend) and the driver's."""
-    for name in ("task_prints", "source_prints", "role_weights"):
+    for name in ("task_prints", "source_prints"):
         setattr(worker, name, timed(getattr(worker, name)))
+    fingerprints.role_weights = timed(fingerprints.role_weights)  # looked up by WeightDigests at each call
     FingerprintLog.step = timed(FingerprintLog.step)
 
 
