@@ -24,23 +24,14 @@ from pathlib import Path
 
 import _common  # noqa: F401  (repository on sys.path, one torch thread)
 
+from flowrl.data.metrics import measured
 from flowrl.graph import builtin_graphs, load_graph
 from flowrl.runtime.trainer import Trainer
 
-#: metric prefixes that measure wall time, not what was computed
-TIMED = ("timing/", "throughput/", "perf/", "time/", "plan/")
-#: scheduler metrics derived from measured durations (min_weight_version is not: it is compared)
-TIMED_KEYS = {"scheduler/lower_bound", "scheduler/critical_path", "scheduler/efficiency",
-              "scheduler/pipeline_efficiency"}
-
-
-def timed(key: str) -> bool:
-    key = key.removeprefix("val/")
-    return key.startswith(TIMED) or key.endswith("_s") or key in TIMED_KEYS
-
 
 def untimed(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not timed(k)}
+    """What the step computed: the metrics that measure the machine left out."""
+    return {k: v for k, v in row.items() if not measured(k)}
 
 
 def snapshot(name: str, backend: str, steps: int, overrides: dict) -> list[dict[str, float]]:

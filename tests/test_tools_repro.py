@@ -14,18 +14,18 @@ from pathlib import Path
 
 import pytest
 
+from flowrl.data.metrics import measured
 from operators.data.tool_tasks import tool_call_text
 from operators.rollout.tools import AddTool, ToolResult
 
 from tests.test_multi_turn import run
 
 ROOT = Path(__file__).resolve().parents[1]
-#: metrics that measure the machine (time, memory), not what the run computed
-MEASURED = ("timing/", "throughput/", "perf/", "time/", "scheduler/", "memory/")
 
 
 def computed(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith(MEASURED) and not k.endswith(("_s", "_mb"))}
+    """What the run computed: the metrics that measure the machine (time, memory) left out."""
+    return {k: v for k, v in row.items() if not measured(k)}
 #: the delays are not seeded on purpose: they stand for a machine's timing, which no seed fixes
 JITTER = random.Random()
 

@@ -146,5 +146,20 @@ def reduce_metrics(parts: Iterable[Mapping[str, Any]], weights: Iterable[float] 
     return reduction.values()
 
 
-__all__ = ["IDENTITY", "MAX", "MEAN", "MIN", "Metric", "REDUCTIONS", "Reduction", "SUM", "maximum", "mean", "metric_value",
-           "minimum", "reduce_metrics", "reduction_of", "total"]
+#: prefixes of metrics that measure the machine (wall time, rates, memory, the plan's prediction
+#: error), not what a step computed: two runs that computed the same bits differ there
+MEASURED_PREFIXES = ("timing/", "throughput/", "perf/", "time/", "memory/", "plan/")
+#: the scheduler's metrics derived from measured durations (its min_weight_version is computed)
+MEASURED_KEYS = frozenset({"scheduler/lower_bound", "scheduler/critical_path", "scheduler/efficiency",
+                           "scheduler/pipeline_efficiency"})
+
+
+def measured(name: str) -> bool:
+    """Whether metric ``name`` (``val/`` or not) measures the machine rather than the computation:
+    what comparisons of two runs (``flowrl diff``, reproducibility checks) leave out."""
+    name = name.removeprefix("val/")
+    return name.startswith(MEASURED_PREFIXES) or name in MEASURED_KEYS or name.endswith(("_s", "_mb"))
+
+
+__all__ = ["IDENTITY", "MAX", "MEASURED_KEYS", "MEASURED_PREFIXES", "MEAN", "MIN", "Metric", "REDUCTIONS", "Reduction",
+           "SUM", "maximum", "mean", "measured", "metric_value", "minimum", "reduce_metrics", "reduction_of", "total"]

@@ -36,6 +36,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from flowrl.data import DataProto
 from flowrl.data.dispatch import ROW_INDEX, task_rows
+from flowrl.data.metrics import measured
 from flowrl.graph import Graph
 from flowrl.runtime.invariants import Invariants
 from flowrl.runtime.rundiff import FILE, SOURCE
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
 #: hex characters of one row's digest (48 bits: enough to point at the rows that differ)
 ROW_HEX = 12
 ROW_MASK = (1 << 4 * ROW_HEX) - 1
-#: metric prefixes that measure wall time, left out of the records
-TIMED = ("timing/", "throughput/", "perf/", "scheduler/")
 MASK = "response_mask"
 
 
@@ -340,7 +339,7 @@ class FingerprintLog:
         record = step_record(result.step, self.plan, result.infos, getattr(result, "syncs", ()))
         # what the step computed (not how long it took): flowrl diff sizes a difference with them
         record["metrics"] = {k: v for k, v in result.metrics.items()
-                             if not k.startswith(TIMED) and not k.endswith("_s") and isinstance(v, (int, float))}
+                             if not measured(k) and isinstance(v, (int, float))}
         found = self.checks.check(record, result) if self.checks is not None else []
         record["invariants"] = found
         self.file.write(json.dumps(record) + "\n")
