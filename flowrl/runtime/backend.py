@@ -22,6 +22,7 @@ import abc
 from pathlib import Path
 from typing import Any, Callable
 
+from flowrl.runtime.errors import WorkerDiedError
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S
 from flowrl.runtime.pools import PoolSpec
 from flowrl.runtime.traits import LOCAL, BackendTraits, register_traits
@@ -97,8 +98,10 @@ class Backend(abc.ABC):
         return []
 
     def replace(self, pool: str, rank: int) -> None:
-        """Start a new worker for a dead one, in its place, building the same roles."""
-        raise NotImplementedError(f"the {self.name} backend cannot replace a worker")
+        """Start a new worker for a dead one, in its place, building the same roles. A backend whose
+        workers are not processes of their own reports no dead worker, so is never asked."""
+        raise WorkerDiedError(f"worker {self.worker_label(pool, rank)} died, and the {self.name} backend cannot "
+                              f"start another in its place: resume the run with --resume")
 
     def discard(self, handles: list[Any]) -> None:
         """Handles the runtime no longer needs, some of which will fail (a task run again): let them
