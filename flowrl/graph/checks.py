@@ -362,6 +362,14 @@ def _check_run_settings(graph: Graph, add) -> None:
                 fix="set max_restarts on a one-worker pool that only generates or scores (its weights come from "
                     "another pool); resume a training pool from its last checkpoint (flowrl run --resume)",
             ))
+    record = graph.config.trainer.record
+    for i, name in enumerate(record.nodes if record is not None else []):
+        if name not in graph.nodes:
+            near = difflib.get_close_matches(name, list(graph.nodes), n=1, cutoff=0.5)
+            add(SchemaError(f"trainer.record.nodes names {name!r}, which is not a node of this graph",
+                            location=graph.locate("trainer", "record", "nodes", i), field="record",
+                            fix=(f"did you mean {near[0]!r}? " if near else "")
+                            + f"the nodes are: {', '.join(graph.nodes)}"))
     if graph.config.trainer.val_every and graph.scorer() is None:
         add(SchemaError(
             "trainer.val_every asks for validation, but no node scores responses (no node's operator "

@@ -137,6 +137,17 @@ class ScheduleConfig(_Strict):
         return self.staleness
 
 
+class RecordConfig(_Strict):
+    """``trainer.record``: the outputs of ``nodes`` saved every ``every`` steps (safetensors and
+    JSON, under ``<out>/records``), the oldest steps removed past ``max_gb``; what ``flowrl
+    replay`` rebuilds a step from (:mod:`flowrl.runtime.record`)."""
+
+    nodes: list[str] = Field(min_length=1, description="the nodes whose outputs are saved (the step's data "
+                             "batch is saved with them)")
+    every: int = Field(1, ge=1, description="save every K-th step (1: every step)")
+    max_gb: float = Field(5.0, gt=0, description="disk budget of the records; past it the oldest steps go")
+
+
 class TrainerConfig(_Strict):
     """The outer loop: steps, seed, where the run writes, checkpoints, validation."""
 
@@ -155,6 +166,7 @@ class TrainerConfig(_Strict):
     invariants: Literal["warn", "fatal", "off"] = Field(
         "warn", description="the per-step checks on fingerprints (weights changed, arrived, as planned; NaN): "
         "warn, stop the run (fatal), or off")
+    record: RecordConfig | None = Field(None, description="save chosen nodes' outputs per step for flowrl replay")
 
 
 class NodeConfig(BaseModel):

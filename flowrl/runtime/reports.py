@@ -38,6 +38,7 @@ class StepResult:
     checkpoint: dict[str, Any] | None = None  # states taken right after this step (see Runtime.run)
     val_metrics: dict[str, float] | None = None  # validation right after this step
     syncs: list[Info] = field(default_factory=list)  # weight loads on other pools this step waited on
+    records: dict[str, DataProto] | None = None  # recorded nodes' outputs (flowrl.runtime.record)
 
     @property
     def efficiency(self) -> float:

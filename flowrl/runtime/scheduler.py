@@ -39,6 +39,7 @@ from flowrl.runtime.errors import NodeError, RuntimeFailure, WorkerDiedError
 from flowrl.runtime.faults import fault_from_env
 from flowrl.runtime.plan import Plan, Task, make_plan
 from flowrl.runtime.reads import fetched, task_input
+from flowrl.runtime.record import collect_records
 from flowrl.runtime.refill import keyed_draw, refill_of, refill_step
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
 from flowrl.runtime.restarts import Restarts, replace_dead
@@ -87,18 +88,21 @@ class Runtime:
         poll_s: float = 0.05,
         on_progress: Callable[[int, dict[str, str]], None] | None = None,
         stage: Callable[[int], Path] | None = None,
+        record: Callable[[int], dict[str, list[str]]] | None = None,
     ) -> None:
         """``stage(step)``: the directory where the ranks of a sharded role write its shards for
         step ``step``'s checkpoint (a :class:`~flowrl.runtime.checkpoint.CheckpointStore`'s
         staging directory); default: one under the system's temporary directory. The plan
         is made for the backend's traits; with ``trainer.val_every`` it carries the
-        validation plan, run by the same loop."""
+        validation plan, run by the same loop. ``record(step)``: the fields of each node whose
+        outputs step ``step``'s result carries as ``records`` (:mod:`flowrl.runtime.record`)."""
         graph.check(resources=resources).raise_if_errors()
         self.graph = graph
         self.backend = make_backend(backend, address) if isinstance(backend, str) else backend
         self.plan: Plan = make_plan(graph, self.backend.traits)
         self.timeline = Timeline()
         self.fetch = tuple(fetch)
+        self.record = record
         self.poll_s = poll_s
         self.on_progress = on_progress
         self.max_staleness = max((e.staleness for e in graph.state_edges), default=0)
@@ -275,6 +279,9 @@ class Runtime:
         metrics.update({f"faults/{k}": float(v) for k, v in st.faults.items() if k != "refill_rounds"})
         data = self._collect(st) if self.fetch and training else None
         result = StepResult(st.step, metrics, infos, makespan, bound, data, syncs=syncs)
+        wanted = self.record(st.step) if self.record is not None and training else None
+        if wanted:
+            result.records = collect_records(self.plan, wanted, st.src, st.outputs, self.backend.get_many)
         if st.snapshot is not None:
             result.checkpoint = self._resolve_snapshot(st.snapshot)
         if st.validation is not None:

@@ -46,6 +46,7 @@ from flowrl.runtime.dumps import graph_fields, write_rollouts
 from flowrl.runtime.plancheck import PlanCheck
 from flowrl.runtime.fingerprints import FingerprintLog
 from flowrl.runtime.errors import RuntimeFailure
+from flowrl.runtime.record import Recorder
 from flowrl.runtime.rundir import RunDirectory
 from flowrl.runtime.runlog import RUN_LOG, record_failure
 from flowrl.runtime.scheduler import Runtime, StepResult
@@ -91,8 +92,9 @@ class Trainer:
         # that scores nothing)
         #: what worker processes print, and the traceback of a failure (:mod:`flowrl.runtime.runlog`)
         self.log_path = self.out / RUN_LOG
+        self.recorder: Recorder | None = None  # made when the run starts (a resume cuts the records back)
         self.runtime = Runtime(graph, backend=make_backend(backend, address, self.log_path), address=address,
-                               on_progress=on_progress, fetch=fetch, stage=self.store.stage)
+                               on_progress=on_progress, fetch=fetch, stage=self.store.stage, record=self._recorded)
         self.show_startup = show_startup
         kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
         spec = REGISTRY.source(kind)
@@ -144,6 +146,8 @@ class Trainer:
         try:
             sinks = open_sinks(self.out, cfg.trainer.wandb_project, run_name=cfg.name, config=cfg.dump())
             prints = self._fingerprints(start_step)
+            if cfg.trainer.record is not None:
+                self.recorder = Recorder(self.out, self.graph, self.say, keep_through=start_step)
             try:
                 results = self.runtime.run(
                     self.source, steps=self.steps - start_step, start_step=start_step,
@@ -158,6 +162,8 @@ class Trainer:
                         prints.step(result)
                     if result.data is not None:
                         self._dump(result)
+                    if result.records is not None and self.recorder is not None:
+                        self.recorder.write(result.step, result.records)
                     self._remember(row)
                     done = result.step
                     if result.checkpoint is not None:
@@ -193,6 +199,10 @@ class Trainer:
             return None
         return FingerprintLog(self.out, self.graph, self.runtime.plan, self.say, keep_through=start_step,
                               fatal=cfg.invariants == "fatal", check=cfg.invariants != "off")
+
+    def _recorded(self, step: int) -> dict[str, list[str]] | None:
+        """The fields ``trainer.record`` saves of 0-based step ``step`` (None: not this step)."""
+        return self.recorder.fields if self.recorder is not None and self.recorder.wants(step) else None
 
     def _remember(self, row: dict[str, Any]) -> None:
         """Keep the run's rows for the caller, up to ``history_limit`` (the driver's memory stays flat)."""
