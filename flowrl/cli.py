@@ -58,17 +58,7 @@ class VizFormat(str, Enum):
     json = "json"
 
 
-def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """``["trainer.steps=5", "data.batch_size=8"]`` → typed values (parsed as YAML scalars)."""
-    import yaml
-
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise typer.BadParameter(f"--set {item!r}: write it as path.to.key=value", param_hint="--set")
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-    return out
+parse_overrides = cli_debug.parse_overrides  # flowrl replay takes --set too
 
 
 def _print_problems(problems: list[GraphProblem], warnings: list[GraphProblem]) -> None:
@@ -432,6 +422,7 @@ def _describe_op(name: str) -> None:
 
 
 app.command("diff")(cli_debug.diff)
+app.command("replay")(cli_debug.replay)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -1,22 +1,39 @@
-"""``flowrl diff``: commands that look back at finished runs. Registered on the
-``flowrl`` app by :mod:`flowrl.cli`; they read run directories and never write
-to them.
+"""``flowrl diff`` and ``flowrl replay``: commands that look back at finished runs. Registered on
+the ``flowrl`` app by :mod:`flowrl.cli`; they read run directories and never write to them.
 
 Example::
 
     flowrl diff runs/a runs/b          # exit 0: the same, 1: they differ, 2: cannot compare
     flowrl diff runs/a runs/b --json
+    flowrl replay runs/a --step 3 --from advantage --set nodes.advantage.norm_adv_by_std_in_grpo=false
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any, Optional
 
 import typer
+import yaml
 from rich.console import Console
 from rich.markup import escape
 
 from flowrl.runtime.rundiff import FingerprintFileError, diff_runs
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """``["trainer.steps=5", "data.batch_size=8"]`` → typed values (parsed as YAML scalars)."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"--set {item!r}: write it as path.to.key=value", param_hint="--set")
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def _error(message: str) -> None:
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {escape(message)}", highlight=False)
 
 
 def diff(
@@ -31,7 +48,7 @@ def diff(
     try:
         report = diff_runs(run_a, run_b, warn=warnings.append)
     except FingerprintFileError as e:
-        err.print(f"[bold red]error[/] {escape(str(e))}", highlight=False)
+        _error(str(e))
         raise typer.Exit(2) from None
     for w in warnings:
         err.print(f"[yellow]warning[/] {escape(w)}", highlight=False)
@@ -44,4 +61,35 @@ def diff(
     raise typer.Exit(0 if report["same"] else 1)
 
 
-__all__ = ["diff"]
+def replay(
+    run: str = typer.Argument(..., help="a run directory (its trainer.out) with records and checkpoints"),
+    step: int = typer.Option(..., "--step", min=1, help="the step to rebuild (1-based, as the run printed it)"),
+    start: str = typer.Option(..., "--from", help="the node to run again from (it and everything downstream)"),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key of the replayed nodes: "
+                                             "nodes.<node>.<param>=value (also roles, schedule)"),
+    backend: str = typer.Option("ray", "--backend", help="a registered backend: ray (default) or local"),
+    as_json: bool = typer.Option(False, "--json", help="print the comparison as JSON"),
+) -> None:
+    """Rebuild step STEP of RUN from its checkpoint and records, run node FROM and everything downstream
+    again with the overrides, and compare the metrics with those the run logged. Writes nothing to RUN;
+    exit 2 when the records or checkpoints do not cover the request."""
+    # the runtime (torch, the workers) only when a replay runs: `flowrl --help` stays light
+    from flowrl.runtime.errors import RuntimeFailure
+    from flowrl.runtime.replay import replay_step
+    from visualizer.replay import render_replay
+
+    overrides = parse_overrides(set_)
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        report = replay_step(run, step, start, overrides, backend=backend,
+                             say=lambda m: err.print(escape(m), highlight=False))
+    except RuntimeFailure as e:
+        _error(str(e))
+        raise typer.Exit(2) from None
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        Console().print(render_replay(report))
+
+
+__all__ = ["diff", "parse_overrides", "replay"]
