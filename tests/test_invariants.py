@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 
 import pytest
@@ -13,6 +14,8 @@ from flowrl.runtime.invariants import InvariantError
 from flowrl.runtime.rundiff import read_prints
 from flowrl.runtime.trainer import Trainer
 from operators.roles import TrainableRole
+from rich.console import Console
+from visualizer.live import LiveView
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
 _calls = itertools.count()
@@ -37,10 +40,16 @@ def erroring_reward(batch, p):
     return {"token_level_scores": torch.zeros(batch["responses"].shape)}, {"reward/errors": float(n)}
 
 
-def _run(tmp_path, name, steps, sets=None, fatal=False):
+def _run(tmp_path, name, steps, sets=None, fatal=False, view=None):
     said: list[str] = []
     g = load_graph(name, overrides={**TINY, **(sets or {}), "trainer.invariants": "fatal" if fatal else "warn"})
-    Trainer(g, backend="local", steps=steps, out=tmp_path, say=said.append).run()
+
+    def say(message):
+        said.append(message)
+        if view is not None:  # as flowrl run wires it: the trainer says through the live view
+            view.say(message)
+
+    Trainer(g, backend="local", steps=steps, out=tmp_path, say=say).run()
     _, records = read_prints(tmp_path)
     return {r["step"]: r["invariants"] for r in records}, said
 
@@ -61,9 +70,17 @@ def test_a_nan_injected_in_one_operator_is_named_with_node_field_step_and_row(tm
 
 def test_an_update_that_never_reached_the_model_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(TrainableRole, "fit", lambda self, batch, loss_fn, **kw: {})
-    found, said = _run(tmp_path, "grpo", 2)
+    view = LiveView(load_graph("grpo"), total_steps=2, console=Console(file=io.StringIO(), width=120))
+    found, said = _run(tmp_path, "grpo", 2, view=view)
     assert [(f["name"], f["node"]) for f in found[1]] == [("weights_unchanged", "update_actor")]
     assert any(m.startswith("invariant weights_unchanged: step 1, node 'update_actor'") for m in said)
+    # the live view marks the node where it fired, and only that one
+    assert view.fired == {"update_actor": "weights_unchanged"}
+    rec = Console(width=120, record=True, color_system=None, file=io.StringIO())
+    rec.print(view.render())
+    marked = [line.split()[1] for line in rec.export_text().splitlines()
+              if line[:1].isdigit() and " invariant " in line]
+    assert marked == ["update_actor"]
 
 
 def _drop_one_tensor(self, weights):

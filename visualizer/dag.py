@@ -44,13 +44,14 @@ __all__ = [
 ]
 
 #: node states a live view reports, in the order a node goes through them
-STATES: tuple[str, ...] = ("waiting", "running", "done", "failed")
+STATES: tuple[str, ...] = ("waiting", "running", "done", "failed", "invariant")
 
 _STATE_STYLES: dict[str, Style] = {
     "waiting": Style(color="bright_black"),
     "running": Style(color="yellow", bold=True),
     "done": Style(color="green"),
     "failed": Style(color="red", bold=True),
+    "invariant": Style(color="dark_orange", bold=True),  # an invariant fired there (flowrl.runtime.invariants)
 }
 
 #: pool colours, assigned in the order pools are declared; none of them is a

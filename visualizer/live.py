@@ -88,6 +88,7 @@ class LiveView:
         self._start_step = start_step
         self.placement: dict[str, str] = {}  # stateless nodes the plan runs in a pool (set by the caller)
         self._live: Live | None = None
+        self.fired: dict[str, str] = {}  # node → the invariant that fired there (kept marked for the run)
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "LiveView":
@@ -141,7 +142,9 @@ class LiveView:
             self.console.print(self.line(done, row), highlight=False, soft_wrap=True)
 
     def say(self, message: str) -> None:
-        """A message above the live view (or a plain line)."""
+        """A message above the live view (or a plain line); an invariant's marks its node."""
+        if getattr(message, "node", None) in self.graph.nodes:
+            self.fired[message.node] = message.name  # type: ignore[attr-defined]
         self.console.print(Text(message), highlight=False)
 
     # ------------------------------------------------------------------ drawing
@@ -153,7 +156,8 @@ class LiveView:
     def render(self) -> RenderableType:
         width = self.console.width
         parts: list[RenderableType] = [self._progress]
-        parts.append(render_dag(self.graph, compact=True, width=width, states=self.states or None,
+        states = {**self.states, **{n: "invariant" for n in self.fired}}
+        parts.append(render_dag(self.graph, compact=True, width=width, states=states or None,
                                 durations=self.durations or None, placement=self.placement or None))
         parts.append(self._metrics_table())
         parts.append(self._pools_line())

@@ -29,6 +29,16 @@ NAMES = ("weights_unchanged", "weights_not_as_planned", "weights_arrived_differe
          "constant_on_errors")
 
 
+class Fired(str):
+    """The message of an invariant that fired, carrying its ``name``, ``node`` and ``step``: said as
+    text, and a live view that reads ``node`` marks that node (:mod:`visualizer.live`)."""
+
+    def __new__(cls, text: str, name: str, node: str, step: int) -> "Fired":
+        out = super().__new__(cls, text)
+        out.name, out.node, out.step = name, node, step
+        return out
+
+
 class InvariantError(RuntimeFailure):
     """An invariant broke and ``trainer.invariants`` is ``fatal``."""
 
@@ -54,7 +64,7 @@ class Invariants:
 
         def fire(name: str, node: str, message: str, **where: Any) -> None:
             found.append({"name": name, "step": step, "node": node, **where, "message": message})
-            self.say(f"invariant {name}: step {step}, node {node!r}: {message}")
+            self.say(Fired(f"invariant {name}: step {step}, node {node!r}: {message}", name, node, step))
 
         updates = {n: v["weights"] for n, v in nodes.items() if "after" in v.get("weights", {})}
         for node, w in updates.items():
@@ -111,4 +121,4 @@ class Invariants:
                                  f"{first['message']} (trainer.invariants is fatal)")
 
 
-__all__ = ["NAMES", "InvariantError", "Invariants"]
+__all__ = ["NAMES", "Fired", "InvariantError", "Invariants"]
