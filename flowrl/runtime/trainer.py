@@ -17,6 +17,10 @@ optimizer state. A prompt's samples are keyed by its uid, not by the rank that
 draws them, so the run goes on as the uninterrupted one would, until a
 floating-point difference of the other sharding flips a sample.
 
+With ``trainer.record``, the chosen nodes' outputs of the recorded steps go to
+``<out>/records`` (:mod:`flowrl.runtime.record`; a resume removes those of the
+steps it runs again), what ``flowrl replay`` rebuilds a step from.
+
 The run directory has one owner (:mod:`flowrl.runtime.rundir`): a second run
 on it is refused, and a fresh run refuses another run's state unless
 ``resume`` or ``overwrite``.
