@@ -14,15 +14,17 @@ import json
 from typing import Any, Optional
 
 import typer
-import yaml
 from rich.console import Console
 from rich.markup import escape
 
+from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.rundiff import FingerprintFileError, diff_runs
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     """``["trainer.steps=5", "data.batch_size=8"]`` → typed values (parsed as YAML scalars)."""
+    import yaml  # not for `flowrl --help`
+
     out: dict[str, Any] = {}
     for item in items or []:
         key, sep, raw = item.partition("=")
@@ -74,7 +76,6 @@ def replay(
     again with the overrides, and compare the metrics with those the run logged. Writes nothing to RUN;
     exit 2 when the records or checkpoints do not cover the request."""
     # the runtime (torch, the workers) only when a replay runs: `flowrl --help` stays light
-    from flowrl.runtime.errors import RuntimeFailure
     from flowrl.runtime.replay import replay_step
     from visualizer.replay import render_replay
 
