@@ -129,14 +129,21 @@ def test_sampled_token_log_probs_match_an_hf_forward_at_the_temperature(engine):
     assert float(diff.max()) < 1e-4, float(diff.max())
 
 
-def test_a_push_that_drops_one_tensor_fails_the_weight_check(engine):
+def test_a_push_that_drops_one_tensor_fails_naming_it_and_the_weight_check_catches_it_too(engine):
     model, _ = sharp_model(seed=0)
     new_model, _ = sharp_model(seed=2)
-    sabotaged = {k: v for k, v in new_model.state_dict().items() if k != "model.layers.1.mlp.down_proj.weight"}
-    engine.update_weights(sabotaged)
+    lost = "model.layers.1.mlp.down_proj.weight"
+    sabotaged = {k: v for k, v in new_model.state_dict().items() if k != lost}
+    with pytest.raises(WeightSyncError, match=lost):
+        engine.update_weights(sabotaged)
+    # vLLM left the lost tensor uninitialised: the engine refuses to sample from it
+    ids, mask = left_padded(PROMPTS)
+    with pytest.raises(WeightSyncError, match="push the full weights"):
+        engine.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=4))
+    # the fingerprint check, which reads what the engine computes, catches it on its own
     with pytest.raises(WeightSyncError, match="not computing with the trainer's weights"):
         engine.check_weights(new_model)
-    engine.update_weights(new_model.state_dict())
+    engine.update_weights(new_model.state_dict())  # a complete push repairs it
     engine.check_weights(new_model)
     engine.update_weights(model.state_dict(), version=0)
     engine.check_weights(model)
@@ -188,8 +195,6 @@ def _actor_on(engine):
 
 
 def test_an_actor_update_pushes_its_weights_into_the_engine_and_a_lost_tensor_fails_it(engine):
-    # the module's last test on the engine: in one environment the next batched generate on this
-    # engine after the failed update returned pad ids (not diagnosed; see the README's vLLM section)
     from operators import actor as actor_ops
 
     actor, batch = _actor_on(engine)

@@ -285,7 +285,8 @@ class VLLMRolloutEngine(RolloutEngine):
     serves_requests = True
 
     def __init__(self, model_dir: str | Path, *, pad_token_id: int, stop_token_ids: Iterable[int], seed: int = 0,
-                 options: VLLMOptions | Mapping[str, Any] | None = None, vocab_size: int | None = None):
+                 options: VLLMOptions | Mapping[str, Any] | None = None, vocab_size: int | None = None,
+                 weight_names: Iterable[str] | None = None):
         vllm = _import_vllm()
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -299,6 +300,9 @@ class VLLMRolloutEngine(RolloutEngine):
         config = json.loads((self.model_dir / "config.json").read_text())
         self.vocab_size = int(vocab_size or config["vocab_size"])
         self.weight_version = 0
+        #: every name a push must bring (none: not checked); :meth:`update_weights` fails a push without one
+        self.weight_names = None if weight_names is None else frozenset(weight_names)
+        self._incomplete: list[str] = []  # what the last push left out: no generation until a complete one
         self.generator = torch.Generator().manual_seed(seed)
         self._lock = threading.Lock()  # one push or batch at a time; generate_one requests interleave freely
         self.on_cpu = current_platform.is_cpu()
@@ -310,12 +314,14 @@ class VLLMRolloutEngine(RolloutEngine):
                         "weights and KV cache while the trainer runs; its resident memory is reported instead "
                         "(rollout/engine_rss_mb)")
         opts = self.options
+        #: what the engine computes in, as vLLM names it
+        self.dtype = _DTYPES[opts.dtype] if opts.dtype else _DTYPES.get(
+            str(config.get("dtype") or config.get("torch_dtype") or "float32"), "float32")
         kv_mib = opts.kv_cache_mib if opts.kv_cache_mib is not None else (1024 if self.on_cpu else None)
         engine_args = vllm.AsyncEngineArgs(
             model=str(self.model_dir),
             skip_tokenizer_init=True,
-            dtype=_DTYPES[opts.dtype] if opts.dtype else _DTYPES.get(str(config.get("dtype") or config.get(
-                "torch_dtype") or "float32"), "float32"),
+            dtype=self.dtype,
             seed=seed,
             enforce_eager=opts.enforce_eager,
             max_model_len=opts.max_model_len,
@@ -358,7 +364,7 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError("VLLMRolloutEngine needs a tokenizer with a pad token")
         return cls(save_for_vllm(model, tokenizer, cache_dir), pad_token_id=tokenizer.pad_token_id,
                    stop_token_ids=stop_token_ids, seed=seed, options=options,
-                   vocab_size=model.config.vocab_size)
+                   vocab_size=model.config.vocab_size, weight_names=model.state_dict().keys())
 
     def _run(self, coro: Any) -> Any:
         """Run ``coro`` on the engine's loop and wait for it (from any thread but the loop's own)."""
@@ -404,7 +410,7 @@ class VLLMRolloutEngine(RolloutEngine):
                  params: SamplingParams | None = None, *, seeds: torch.Tensor | None = None,
                  **overrides: Any) -> dict[str, torch.Tensor]:
         params = self.resolve(params, overrides)
-        self._check_awake()
+        self._check_ready()
         attention_mask = attention_mask.long().cpu()
         input_ids = input_ids.cpu()
         with self._lock:
@@ -421,7 +427,7 @@ class VLLMRolloutEngine(RolloutEngine):
     async def generate_one(self, prompt_ids: list[int], params: SamplingParams | None = None,
                            **overrides: Any) -> dict[str, Any]:
         params = self.resolve(params, {**overrides, "n": 1})
-        self._check_awake()
+        self._check_ready()
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,),
                                                                              generator=self.generator))
         future = asyncio.run_coroutine_threadsafe(self._request(prompt_ids, self._sampling(params, seed)),
@@ -432,6 +438,15 @@ class VLLMRolloutEngine(RolloutEngine):
     def _check_awake(self) -> None:
         if self._asleep:
             raise RuntimeError("the vLLM engine is asleep (release_memory); call resume_memory() first")
+
+    def _check_ready(self) -> None:
+        """Awake, and holding every tensor of the last push (what generation needs)."""
+        self._check_awake()
+        if self._incomplete:
+            raise WeightSyncError(
+                f"the vLLM engine's last weight push left out {', '.join(self._incomplete[:3])}"
+                f"{' and more' if len(self._incomplete) > 3 else ''}, so those tensors hold uninitialised "
+                f"memory: push the full weights (update_weights with every tensor) before generating")
 
     # --- weights ----------------------------------------------------------------------------
 
@@ -445,16 +460,31 @@ class VLLMRolloutEngine(RolloutEngine):
         ``version`` (or goes up by one). Every pushed name must be one the model
         has; compare :meth:`weights_fingerprint` with the trainer's
         (:meth:`check_weights`) to know the engine computes with them.
+
+        A push that leaves out a name of :attr:`weight_names` raises
+        :class:`WeightSyncError` naming it, and the engine refuses to generate
+        until a complete push: vLLM's layer-wise reload builds a layer that got
+        some of its tensors afresh, so a tensor it was not sent is left as
+        uninitialised memory (garbage, NaN logits: greedy decoding then returns
+        token 0, the pad id, in every position).
         """
         bucket_bytes = int((bucket_mb or self.options.weight_bucket_mb) * 2**20)
         self._check_awake()
         with self._lock:
-            sent, nbytes, buckets, seconds = self._run(self._push(state_dict, bucket_bytes))
+            loaded, nbytes, buckets, seconds = self._run(self._push(state_dict, bucket_bytes))
         self.weight_version = self.weight_version + 1 if version is None else int(version)
+        self._incomplete = sorted(self.weight_names - set(loaded)) if self.weight_names is not None else []
+        if self._incomplete:
+            raise WeightSyncError(
+                f"weight check after push (version {self.weight_version}): the push left out "
+                f"{len(self._incomplete)} of the model's {len(self.weight_names)} tensors "
+                f"({', '.join(self._incomplete[:3])}{' …' if len(self._incomplete) > 3 else ''}); vLLM leaves such a "
+                f"tensor uninitialised, so the engine refuses to generate until a push brings every tensor")
+        sent = len(loaded)
         return {"rollout/weight_push_s": seconds, "rollout/weight_push_mb": nbytes / 2**20,
                 "rollout/weight_push_buckets": float(buckets), "rollout/weight_push_tensors": float(sent)}
 
-    async def _push(self, weights: Any, bucket_bytes: int) -> tuple[int, int, int, float]:
+    async def _push(self, weights: Any, bucket_bytes: int) -> tuple[list[str], int, int, float]:
         loop = asyncio.get_running_loop()
         start = loop.time()
         await self.llm.pause_generation(mode="wait", clear_cache=True)
@@ -466,10 +496,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
                 buckets += 1
             loaded = (await self.llm.collective_rpc("flowrl_finish_reload"))[0]
+        finally:  # even after a failed push: no prompt may reuse KV computed before it
             await self.llm.reset_prefix_cache()
-        finally:
             await self.llm.resume_generation()
-        return len(loaded), nbytes, buckets, loop.time() - start
+        return loaded, nbytes, buckets, loop.time() - start
 
     def weights_fingerprint(self) -> torch.Tensor:
         """``float32[PROBE_LENGTH - 1]``: the engine's log-prob of each next token of a fixed probe.
@@ -500,20 +530,29 @@ class VLLMRolloutEngine(RolloutEngine):
     def check_weights(self, model: torch.nn.Module, atol: float | None = None) -> dict[str, float]:
         """Raise :class:`WeightSyncError` unless the engine computes what ``model`` (the trainer's) computes.
 
-        ``atol`` bounds the largest log-prob difference on the probe; default
-        ``1e-3`` in fp32 and ``0.1`` in 16-bit (rounding alone moves bf16 that far).
+        Each probe log-prob must agree within ``atol + rtol * |trainer's|``: ``1e-3``
+        and no relative part when the engine and the trainer both run fp32; ``0.1``
+        plus ``2**-7`` of the log-prob's size when either runs 16-bit, since bf16's
+        rounding error grows with the logits (a run sharpening its policy pushed the
+        probe's rarest tokens past a fixed 0.1 at step 95 on weights that were right).
+        ``atol`` given: that alone.
         """
         engine = self.weights_fingerprint()
         trainer = model_fingerprint(model, probe_tokens(self.vocab_size))
         diff = (engine - trainer).abs()
+        rtol = 0.0
         if atol is None:
-            atol = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.1
+            fp32 = next(model.parameters()).dtype == torch.float32 and self.dtype == "float32"
+            atol, rtol = (1e-3, 0.0) if fp32 else (0.1, 2.0 ** -7)
+        bound = atol + rtol * trainer.abs()
         metrics = {"rollout/weight_check_max_diff": float(diff.max()),
                    "rollout/weight_check_mean_diff": float(diff.mean())}
-        if not bool(diff.max() <= atol):
+        if not bool((diff <= bound).all()):
+            worst = int((diff - bound).argmax())
             raise WeightSyncError(
                 f"weight check after push (version {self.weight_version}): the vLLM engine's log-probs of the "
-                f"probe differ from the trainer's by up to {float(diff.max()):.3g} (tolerance {atol:g}): the "
+                f"probe differ from the trainer's by up to {float(diff.max()):.3g} (at probe token {worst + 1}: "
+                f"{float(diff[worst]):.3g}, tolerance {float(bound[worst]):.3g}): the "
                 f"engine is not computing with the trainer's weights; a tensor was not delivered or not loaded")
         return metrics
 
