@@ -1,5 +1,6 @@
 """A rank of a 2-worker FSDP pool killed at step 5: the pool starts anew, the run rolls back to its last
-checkpoint in the same driver and ends with the uninterrupted run's metrics; without a restart left it stops."""
+checkpoint in the same driver and ends with the uninterrupted run's metrics. (Without a restart left, the
+run stops naming the dead rank: test_distributed_runtime's killed-rank test, max_restarts being 0 there.)"""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from flowrl.data.metrics import measured
 from flowrl.graph import load_graph
-from flowrl.runtime.errors import RuntimeFailure, WorkerDiedError
+from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.faults import FAULT_ENV
 from flowrl.runtime.sinks import read_metrics
 from flowrl.runtime.trainer import Trainer
@@ -39,8 +40,7 @@ def runs(ray_session, tmp_path_factory):
     root = tmp_path_factory.mktemp("rollback")
     out = {}
     try:
-        for name, fault, extra in (("clean", None, {}), ("killed", KILL, {"pools.train.max_restarts": 1}),
-                                   ("no_restart", KILL.replace("step=5", "step=1"), {})):
+        for name, fault, extra in (("clean", None, {}), ("killed", KILL, {"pools.train.max_restarts": 1})):
             said: list[str] = []
             trainer, history, error = _train(root / name, fault, mp, said, **extra)
             out[name] = (trainer, history, error, said, root / name)
@@ -80,13 +80,3 @@ def test_the_rollback_names_the_worker_the_cause_and_the_step(runs):
     assert "ActorDiedError" in event.cause or "died" in event.cause
     line = next(m for m in said if "rolled back" in m)
     assert "died at step 5" in line and "checkpoint of step 4" in line and "restart 1 of 1" in line
-
-
-def test_without_a_restart_left_the_run_stops_naming_the_dead_worker(runs):
-    _, history, error, _, _ = runs["no_restart"]
-    assert history is None and error is not None
-    text = " ".join(str(error).split())
-    # the dead rank's own task, or rank 0's collective that met the dead peer
-    assert isinstance(error, WorkerDiedError) or "collective" in text, text
-    assert "train[1]" in text or "rank 1" in text, text
-    assert "step 1" in text or "at step 1" in text, text
