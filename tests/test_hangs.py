@@ -103,3 +103,37 @@ def test_a_checkpoint_state_that_never_comes_is_named():
     with pytest.raises(NodeTimeoutError) as exc:
         get_within(lambda h, timeout: h.result(timeout=timeout), cf.Future(), 0.05, "the state of gen[0]")
     assert "the state of gen[0] did not come within schedule.timeout_s=0.05" in str(exc.value)
+
+
+def test_a_rank_that_never_reaches_the_collective_is_named_and_the_node_marked_stuck(ray_session, monkeypatch):
+    from flowrl.graph import load_graph
+    from flowrl.runtime.watchdog import TaskTimeout
+    from tests.test_rollback import TWO
+    from visualizer.live import LiveView
+
+    # rank 1 hangs in Python before generating; rank 0 waits for it in the rollout's unshard collective
+    monkeypatch.setenv(faults.FAULT_ENV, "node=generate,step=1,rank=1,kind=hang")
+    g = load_graph("grpo", overrides={**TWO, "nodes.generate.timeout_s": 2})
+    progress: list[dict[str, str]] = []
+    rt = Runtime(g, backend="ray", on_progress=lambda step, states: progress.append(states))
+    try:
+        with pytest.raises(TaskTimeout) as exc:
+            list(rt.run(iter(batches_of(g)), steps=1))
+    finally:
+        rt.close()
+    msg = str(exc.value)
+    summary = next(line for line in msg.splitlines() if line.startswith("collective "))
+    assert "'unshard for rollout" in summary and "of pool 'train'" in summary
+    assert "ranks inside it: 0 (waiting" in summary and "not inside it: rank 1 (in no collective" in summary
+    assert f'faults.py", line {_line_of(faults._sleep_forever, "time.sleep")}' in msg  # rank 1's stack
+    assert "--- where train[0]" in msg and "--- where train[1]" in msg
+    assert exc.value.node == "generate" and progress[-1]["generate"] == "stuck"
+    view = LiveView(g, total_steps=1)
+    view.progress(0, progress[-1])
+    assert view.states["generate"] == "stuck"
+
+
+def batches_of(g):
+    from tests.test_distributed_runtime import first_batch
+
+    return [first_batch(g)]

@@ -44,7 +44,7 @@ from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, st
 from flowrl.runtime.restarts import Restarts, RollbackNeeded, replace_dead
 from flowrl.runtime.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
-from flowrl.runtime.watchdog import check_timeouts, get_within
+from flowrl.runtime.watchdog import TaskTimeout, check_timeouts, get_within
 from flowrl.runtime.worker import Call, Info, node_entries
 
 TaskKey = tuple[str, int | None]
@@ -268,8 +268,13 @@ class Runtime:
                 self.timeline.add(info)
             if done and self.on_progress is not None and training:
                 self.on_progress(st.step, node_states(st.plan, ended))
-            check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free, label,
-                           self.backend.stacks)
+            try:
+                check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free,
+                               label, self.backend.stacks)
+            except TaskTimeout as e:  # the live view marks the stuck node
+                if self.on_progress is not None and training and e.node is not None:
+                    self.on_progress(st.step, {**node_states(st.plan, ended), e.node: "stuck"})
+                raise
         if training:
             self.versions.finished(st.step)
         metrics, makespan, bound = step_metrics(st.plan, infos, st.submitted_at)
