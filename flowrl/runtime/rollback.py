@@ -66,9 +66,10 @@ def roll_back(trainer: Any, exc: RollbackNeeded, sinks: Any) -> int:
     runtime = trainer.runtime
     if not trainer.store.complete():
         _, _, label, cause = exc.dead[0]
+        every = trainer.graph.config.trainer.checkpoint_every
         raise WorkerDiedError(f"worker {label} died at step {exc.step + 1} ({cause}); pool {exc.pools[0]!r} "
-                              f"rolls back to its last checkpoint, but none has been saved yet: set "
-                              f"trainer.checkpoint_every below {exc.step + 1}, or start the run again") from None
+                              f"rolls back to its last checkpoint, but none has been saved yet (the first comes "
+                              f"after step {every}): start the run again, or lower trainer.checkpoint_every") from None
     for pool in exc.pools:
         runtime.backend.restart_pool(pool)
     for pool, rank, _, _ in exc.dead:
