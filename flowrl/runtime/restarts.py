@@ -178,7 +178,7 @@ def replace_dead(backend: Any, restarts: Restarts, syncs: dict[tuple[str, int, s
         return False
     cause = describe_death(exc) or describe_death(getattr(exc, "cause", None) or exc) or type(exc).__name__
     dead = set(backend.dead_workers())
-    if not dead and restarts.rolls_back and "collective" in str(exc):
+    if not dead and any(restarts.allowed.get(p) for p in restarts.rolls_back) and "collective" in str(exc):
         dead = _wait_for_death(backend)  # a peer's broken collective can come before Ray has seen the death
     if not restarts.allows(dead):
         return False
