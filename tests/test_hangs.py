@@ -137,3 +137,18 @@ def batches_of(g):
     from tests.test_distributed_runtime import first_batch
 
     return [first_batch(g)]
+
+
+def test_the_collective_summary_names_the_ranks_that_did_not_arrive_and_those_that_did_not_answer():
+    from flowrl.runtime.hangs import collective_line, collective_summary, unanswered
+
+    inside = collective_line(0, (7, "actor update", 4.25), (6, "token count"))
+    behind = collective_line(1, (6, "token count", 9.0), (5, "rendezvous"))
+    never = collective_line(2, None, None)
+    stopped = unanswered("train[3] (pid 42)", None, 5)
+    text = collective_summary("train", {0: inside + "Thread ...", 1: behind, 2: never, 3: stopped})
+    assert text.startswith("collective 'actor update' #7 of pool 'train': ranks inside it: 0 (waiting 4.2s)")
+    assert "rank 1 (inside an earlier one, 'token count' #6)" in text
+    assert "rank 2 (in no collective)" in text
+    assert "rank 3 (no answer: train[3] (pid 42) did not answer for its stacks within 5s" in text
+    assert collective_summary("train", {0: never, 1: stopped}) == ""  # nobody waits in a collective

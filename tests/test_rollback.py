@@ -80,3 +80,20 @@ def test_the_rollback_names_the_worker_the_cause_and_the_step(runs):
     assert "ActorDiedError" in event.cause or "RayActorError" in event.cause  # Ray's words for how it ended
     line = next(m for m in said if "rolled back" in m)
     assert "died at step 5" in line and "checkpoint of step 4" in line and "restart 1 of 1" in line
+
+
+def test_a_rollback_before_the_first_checkpoint_fails_naming_the_worker(tmp_path):
+    from flowrl.runtime import rollback
+    from flowrl.runtime.errors import WorkerDiedError
+    from flowrl.runtime.restarts import RollbackNeeded
+
+    g = load_graph("grpo", overrides={**TWO, "pools.train.max_restarts": 1})
+    trainer = Trainer(g, backend="local", steps=STEPS, out=tmp_path, say=lambda m: None)
+    died = RollbackNeeded([("train", 1, "train[1] (pid 7)", "ActorDiedError: …")], ["train"], 0)
+    assert "flowrl run does that itself (pools.train.max_restarts)" in str(died)
+    with pytest.raises(WorkerDiedError) as exc:
+        rollback.roll_back(trainer, died, sinks=None)
+    text = str(exc.value)
+    assert text.startswith("worker train[1] (pid 7) died at step 1 (ActorDiedError: …)")
+    assert "none has been saved yet (the first comes after step 2)" in text
+    assert not trainer.runtime.restarts.events
