@@ -143,17 +143,18 @@ class Trainer:
         restore_signals = self._install_signals()
         done = start_step - 1
         saved = start_step - 1
+
+        def roll_back(e: RollbackNeeded) -> int:  # a dead worker of a sharded pool (flowrl.runtime.rollback)
+            nonlocal prints
+            if prints is not None:
+                prints.close()
+            step = rollback.roll_back(self, e, sinks)
+            prints = self._fingerprints(step)
+            return step
+
         try:
             sinks = open_sinks(self.out, cfg.trainer.wandb_project, run_name=cfg.name, config=cfg.dump())
             prints = self._fingerprints(start_step)
-
-            def roll_back(e: RollbackNeeded) -> int:  # a dead worker of a sharded pool (flowrl.runtime.rollback)
-                nonlocal prints
-                if prints is not None:
-                    prints.close()
-                step = rollback.roll_back(self, e, sinks)
-                prints = self._fingerprints(step)
-                return step
 
             try:
                 results = rollback.rolling(lambda s: self.runtime.run(
