@@ -155,7 +155,6 @@ class Trainer:
         try:
             sinks = open_sinks(self.out, cfg.trainer.wandb_project, run_name=cfg.name, config=cfg.dump())
             prints = self._fingerprints(start_step)
-
             try:
                 results = rollback.rolling(lambda s: self.runtime.run(
                     self.source, steps=self.steps - s, start_step=s,
