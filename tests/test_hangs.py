@@ -103,3 +103,52 @@ def test_a_checkpoint_state_that_never_comes_is_named():
     with pytest.raises(NodeTimeoutError) as exc:
         get_within(lambda h, timeout: h.result(timeout=timeout), cf.Future(), 0.05, "the state of gen[0]")
     assert "the state of gen[0] did not come within schedule.timeout_s=0.05" in str(exc.value)
+
+
+def test_a_rank_that_never_reaches_the_collective_is_named_and_the_node_marked_stuck(ray_session, monkeypatch):
+    from flowrl.graph import load_graph
+    from flowrl.runtime.watchdog import TaskTimeout
+    from tests.test_rollback import TWO
+    from visualizer.live import LiveView
+
+    # rank 1 hangs in Python before generating; rank 0 waits for it in the rollout's unshard collective
+    monkeypatch.setenv(faults.FAULT_ENV, "node=generate,step=1,rank=1,kind=hang")
+    g = load_graph("grpo", overrides={**TWO, "nodes.generate.timeout_s": 2})
+    progress: list[dict[str, str]] = []
+    rt = Runtime(g, backend="ray", on_progress=lambda step, states: progress.append(states))
+    try:
+        with pytest.raises(TaskTimeout) as exc:
+            list(rt.run(iter(batches_of(g)), steps=1))
+    finally:
+        rt.close()
+    msg = str(exc.value)
+    summary = next(line for line in msg.splitlines() if line.startswith("collective "))
+    assert "'unshard for rollout" in summary and "of pool 'train'" in summary
+    assert "ranks inside it: 0 (waiting" in summary and "not inside it: rank 1 (in no collective" in summary
+    assert f'faults.py", line {_line_of(faults._sleep_forever, "time.sleep")}' in msg  # rank 1's stack
+    assert "--- where train[0]" in msg and "--- where train[1]" in msg
+    assert exc.value.node == "generate" and progress[-1]["generate"] == "stuck"
+    view = LiveView(g, total_steps=1)
+    view.progress(0, progress[-1])
+    assert view.states["generate"] == "stuck"
+
+
+def batches_of(g):
+    from tests.test_distributed_runtime import first_batch
+
+    return [first_batch(g)]
+
+
+def test_the_collective_summary_names_the_ranks_that_did_not_arrive_and_those_that_did_not_answer():
+    from flowrl.runtime.hangs import collective_line, collective_summary, unanswered
+
+    inside = collective_line(0, (7, "actor update", 4.25), (6, "token count"))
+    behind = collective_line(1, (6, "token count", 9.0), (5, "rendezvous"))
+    never = collective_line(2, None, None)
+    stopped = unanswered("train[3] (pid 42)", None, 5)
+    text = collective_summary("train", {0: inside + "Thread ...", 1: behind, 2: never, 3: stopped})
+    assert text.startswith("collective 'actor update' #7 of pool 'train': ranks inside it: 0 (waiting 4.2s)")
+    assert "rank 1 (inside an earlier one, 'token count' #6)" in text
+    assert "rank 2 (in no collective)" in text
+    assert "rank 3 (no answer: train[3] (pid 42) did not answer for its stacks within 5s" in text
+    assert collective_summary("train", {0: never, 1: stopped}) == ""  # nobody waits in a collective

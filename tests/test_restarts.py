@@ -64,10 +64,15 @@ def test_the_restart_names_the_worker_the_cause_and_the_step(runs):
     assert "died at step 5" in text and "replaced" in text and event.cause
 
 
-def test_max_restarts_is_refused_where_a_replaced_worker_would_be_wrong():
+def test_max_restarts_on_a_trained_or_sharded_pool_needs_checkpoints_to_roll_back_to():
     report = load_graph("grpo_async", overrides={"pools.train.max_restarts": 1}).check(resources=BIG)
     [problem] = report.errors
     assert problem.field == "max_restarts" and "'actor' is updated" in problem.message
+    assert "trainer.checkpoint_every is 0" in problem.message
     report = load_graph("grpo_async", overrides={"pools.gen.max_restarts": 1, "pools.gen.workers": 2}).check(
         resources=BIG)
     assert any("one process group" in p.message for p in report.errors)
+    for pool in ("train", "gen"):
+        ok = load_graph("grpo_async", overrides={f"pools.{pool}.max_restarts": 1, "pools.gen.workers": 2,
+                                                 "trainer.checkpoint_every": 2})
+        assert not ok.check(resources=BIG).errors

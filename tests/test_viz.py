@@ -166,8 +166,8 @@ def test_each_state_has_its_own_style_and_unknown_ones_are_refused(ppo):
     assert state_style("done").color.name == "green"
     # a pool is never drawn in a state's colour
     assert not {c for c in pool_colors(ppo).values()} & {s.color.name for s in styles}
-    with pytest.raises(ValueError, match="unknown node state 'stuck'"):
-        render_dag(ppo, states={"generate": "stuck"})
+    with pytest.raises(ValueError, match="unknown node state 'paused'"):
+        render_dag(ppo, states={"generate": "paused"})
     with pytest.raises(ValueError, match="not in graph 'test_ppo': nope"):
         render_dag(ppo, states={"nope": "done"})
 

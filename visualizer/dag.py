@@ -9,7 +9,7 @@ weights an update hands to the next step).
 
 Colour carries meaning only: a node's *pool* colours its name and ``role@pool``
 (driver nodes stay neutral), and, when ``states`` is given, a node's *state*
-(waiting, running, done, failed) colours its border. Both are also written as
+(waiting, running, stuck, done, failed) colours its border. Both are also written as
 text, so nothing is lost on a terminal without colour.
 
 Example::
@@ -44,11 +44,12 @@ __all__ = [
 ]
 
 #: node states a live view reports, in the order a node goes through them
-STATES: tuple[str, ...] = ("waiting", "running", "done", "failed", "invariant")
+STATES: tuple[str, ...] = ("waiting", "running", "stuck", "done", "failed", "invariant")
 
 _STATE_STYLES: dict[str, Style] = {
     "waiting": Style(color="bright_black"),
     "running": Style(color="yellow", bold=True),
+    "stuck": Style(color="red", bold=True, reverse=True),  # past its timeout: the hang the run fails with
     "done": Style(color="green"),
     "failed": Style(color="red", bold=True),
     "invariant": Style(color="dark_orange", bold=True),  # an invariant fired there (flowrl.runtime.invariants)

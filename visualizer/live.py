@@ -2,7 +2,7 @@
 is, and how the metrics move.
 
 In a terminal it redraws in place (rich ``Live``): a progress bar with rate and
-ETA, the DAG with each node's state (waiting / running / done / failed) and last
+ETA, the DAG with each node's state (waiting / running / stuck / done / failed) and last
 duration, the latest metrics with sparklines of their recent trend, and how busy
 each pool was during the last step. When output is not a terminal (CI, a pipe,
 a log file) it prints plain lines instead — at most one every ``min_interval_s``

@@ -353,14 +353,15 @@ def _check_run_settings(graph: Graph, add) -> None:
     updated = {node.role for node in graph.nodes.values() if node.updates_role}
     for pool, cfg in graph.config.pools.items():
         trained = sorted(set(cfg.roles) & updated)
-        if cfg.max_restarts and (trained or cfg.workers > 1):
-            why = (f"its role {trained[0]!r} is updated: a replaced worker would have lost its trained state" if trained
-                   else f"its {cfg.workers} workers form one process group, which a replaced rank cannot rejoin")
+        if cfg.max_restarts and (trained or cfg.workers > 1) and not graph.config.trainer.checkpoint_every:
+            why = (f"its role {trained[0]!r} is updated" if trained
+                   else f"its {cfg.workers} workers form one process group")
             add(SchemaError(
-                f"pools.{pool}.max_restarts: {cfg.max_restarts}, but {why}",
+                f"pools.{pool}.max_restarts: {cfg.max_restarts}, but {why}, so a dead worker rolls the run back "
+                f"to its last checkpoint, and trainer.checkpoint_every is 0 (no checkpoint before the end)",
                 location=graph.locate("pools", pool, "max_restarts"), field="max_restarts",
-                fix="set max_restarts on a one-worker pool that only generates or scores (its weights come from "
-                    "another pool); resume a training pool from its last checkpoint (flowrl run --resume)",
+                fix="set trainer.checkpoint_every (a dead worker costs the steps since the last checkpoint), "
+                    "or max_restarts: 0",
             ))
     record = graph.config.trainer.record
     for i, name in enumerate(record.nodes if record is not None else []):

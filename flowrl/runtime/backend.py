@@ -19,6 +19,7 @@ built in are ``local`` (:mod:`flowrl.runtime.local`) and ``ray``
 from __future__ import annotations
 
 import abc
+import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -97,11 +98,20 @@ class Backend(abc.ABC):
         """The (pool, rank) of every worker whose process has died (:mod:`flowrl.runtime.restarts`)."""
         return []
 
+    def death_cause(self, pool: str, rank: int) -> str | None:
+        """How a worker :meth:`dead_workers` found dead ended (:func:`describe_death`), when known."""
+        return None
+
     def replace(self, pool: str, rank: int) -> None:
         """Start a new worker for a dead one, in its place, building the same roles. A backend whose
         workers are not processes of their own reports no dead worker, so is never asked."""
         raise WorkerDiedError(f"worker {self.worker_label(pool, rank)} died, and the {self.name} backend cannot "
                               f"start another in its place: resume the run with --resume")
+
+    def restart_pool(self, pool: str) -> None:
+        """Start every worker of ``pool`` anew (the live ones ended: a rank whose peer died may be stuck in
+        a collective) and form its process group again, for a rollback (:mod:`flowrl.runtime.rollback`)."""
+        self.replace(pool, 0)
 
     def discard(self, handles: list[Any]) -> None:
         """Handles the runtime no longer needs, some of which will fail (a task run again): let them
@@ -140,7 +150,11 @@ def describe_death(exc: BaseException) -> str | None:
     if name in ("ActorDiedError", "RayActorError", "ActorUnavailableError", "WorkerCrashedError",
                 "OutOfMemoryError", "NodeDiedError"):
         text = str(exc).strip().splitlines()
-        return f"{name}: {text[0] if text else ''}"
+        # Ray's "Worker exit type: ... Worker exit detail: ...": how the process ended, when it says
+        exit = re.search(r"Worker exit type: (\S+) Worker exit detail: (.*?)\.?\s*(?:Some common causes|$)",
+                         str(exc), re.M)
+        how = f" (exit type {exit[1]}: {exit[2]})" if exit else ""
+        return f"{name}: {text[0] if text else ''}{how}"
     return None
 
 

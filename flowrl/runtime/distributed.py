@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from flowrl.runtime.errors import RuntimeFailure
+from flowrl.runtime.hangs import collective_line
 
 #: gloo between CPU tensors, NCCL between CUDA tensors
 DEFAULT_BACKEND = "cpu:gloo,cuda:nccl"
@@ -124,6 +125,8 @@ class PoolGroup:
         self._store = store
         self._seq = 0
         self._mesh = None
+        self._inside: list[tuple[int, str, float]] = []  # (seq, name, entered at) of the collectives not left
+        self._left: tuple[int, str] | None = None  # the last collective left
 
     @classmethod
     def single(cls, pool: str, device_type: str = "cpu") -> "PoolGroup":
@@ -222,6 +225,7 @@ class PoolGroup:
         self._seq += 1
         seq, start = self._seq, time.monotonic()
         self._store.set(f"at/{self.rank}", f"{seq}\t{name}")
+        self._inside.append((seq, name, start))
         try:
             yield
         except CollectiveError:
@@ -233,6 +237,19 @@ class PoolGroup:
             reason = (f"after {waited:.1f}s (timeout {self.timeout.total_seconds():g}s): {self._diagnose(seq)}; "
                      f"backend said: {str(err).strip().splitlines()[0][:300]}")
             raise CollectiveError(self.pool, self.rank, f"{name} #{seq}", reason) from err
+        finally:
+            self._inside.pop()
+            self._left = (seq, name)
+
+    def where(self) -> str:
+        """The collective this rank is inside, or the last it left, as a line for its stacks
+        (:func:`flowrl.runtime.hangs.collective_line`, read on a control thread: no lock, no store); ''
+        for a pool of one."""
+        if self.world_size == 1:
+            return ""
+        inside = list(self._inside)  # the task thread may enter or leave one meanwhile
+        now = (inside[-1][0], inside[-1][1], time.monotonic() - inside[-1][2]) if inside else None
+        return collective_line(self.rank, now, self._left)
 
     def _diagnose(self, seq: int) -> str:
         """Which peers are dead, and where the live ones last were, from the store and /proc."""

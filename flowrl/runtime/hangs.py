@@ -9,6 +9,12 @@ the task is in. A worker that cannot answer (stopped by SIGSTOP, or stuck
 outside Python with the interpreter lock held) is named as such, with its
 process state when it runs on this machine.
 
+A rank of a pool's process group heads its stacks with the collective it is
+inside, or the last it left (:func:`collective_line`, recorded by
+:meth:`~flowrl.runtime.distributed.PoolGroup.guard` as it enters and leaves);
+from every rank's stacks the watchdog says which ranks reached the collective
+that does not complete and which did not (:func:`collective_summary`).
+
 Example::
 
     print(thread_stacks())                      # every thread of this process
@@ -17,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import traceback
@@ -65,4 +72,41 @@ def unanswered(label: str, pid: int | None, waited_s: float) -> str:
             + (f" (process state: {state})" if state else "") + f": {why}")
 
 
-__all__ = ["MAX_FRAMES", "STACKS_TIMEOUT_S", "process_state", "thread_stacks", "unanswered"]
+_INSIDE = re.compile(r"^collective: rank (\d+) is inside (.+) #(\d+) for ([\d.]+)s$", re.M)
+_OUTSIDE = re.compile(r"^collective: rank (\d+) is inside none(?:; it last left (.+) #(\d+))?$", re.M)
+
+
+def collective_line(rank: int, inside: tuple[int, str, float] | None, left: tuple[int, str] | None) -> str:
+    """The head of a rank's stacks: the collective it is ``inside`` (seq, name, seconds in it), else the
+    last it ``left`` (seq, name)."""
+    if inside is not None:
+        return f"collective: rank {rank} is inside {inside[1]!r} #{inside[0]} for {inside[2]:.1f}s\n"
+    return f"collective: rank {rank} is inside none" + (f"; it last left {left[1]!r} #{left[0]}" if left else "") + "\n"
+
+
+def collective_summary(pool: str, stacks: dict[int, str]) -> str:
+    """Which ranks of ``pool`` are inside the latest collective any of them entered, and where the others
+    are, from every rank's stacks (rank → its :meth:`~flowrl.runtime.backend.Backend.stacks` text);
+    '' when no rank is inside one."""
+    inside = {int(m[1]): (int(m[3]), m[2], float(m[4])) for r, text in stacks.items() for m in _INSIDE.finditer(text)}
+    if not inside:
+        return ""
+    seq, name, _ = max(inside.values())
+    arrived = sorted(r for r, (s, _, _) in inside.items() if s == seq)
+    others = []
+    for rank in sorted(set(stacks) - set(arrived)):
+        m = _OUTSIDE.search(stacks[rank])
+        if rank in inside:
+            others.append(f"rank {rank} (inside an earlier one, {inside[rank][1]} #{inside[rank][0]})")
+        elif m is None:
+            others.append(f"rank {rank} (no answer: {stacks[rank].strip().splitlines()[0][:200]})")
+        else:
+            others.append(f"rank {rank} (in no collective" + (f"; it last left {m[2]} #{m[3]}" if m[2] else "") + ")")
+    waited = ", ".join(f"{r} (waiting {inside[r][2]:.1f}s)" for r in arrived)
+    return (f"collective {name} #{seq} of pool {pool!r}: ranks inside it: {waited}; not inside it: "
+            + ("; ".join(others) or "none") + (" — the rank(s) not inside it are the ones to look at" if others
+                                                else ""))
+
+
+__all__ = ["MAX_FRAMES", "STACKS_TIMEOUT_S", "collective_line", "collective_summary", "process_state",
+           "thread_stacks", "unanswered"]

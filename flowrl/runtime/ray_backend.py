@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from flowrl.runtime import ray_start
-from flowrl.runtime.backend import Backend, backend
+from flowrl.runtime.backend import Backend, backend, describe_death
 from flowrl.runtime.errors import PlacementError, RuntimeFailure
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
 from flowrl.runtime.pools import DRIVER, PoolSpec
@@ -45,6 +45,7 @@ class RayBackend(Backend):
         self._started_ray = False
         self._boot: ray_start.RayStart | None = None
         self.pids: dict[tuple[str, int], int] = {}
+        self._deaths: dict[tuple[str, int], str] = {}  # how each dead worker found ended (Ray's words)
         self.spans: list[Span] = []  # the start-up of the driver's side and of every worker
         self._log_offset = 0  # where this run's part of the log starts
 
@@ -154,9 +155,24 @@ class RayBackend(Backend):
                 ray.get(ref, timeout=STACKS_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 pass
-            except ray.exceptions.RayActorError:
+            except ray.exceptions.RayActorError as e:
                 dead.append(key)
+                self._deaths[key] = describe_death(e) or type(e).__name__
         return dead
+
+    def death_cause(self, pool: str, rank: int) -> str | None:
+        return self._deaths.get((pool, rank))
+
+    def restart_pool(self, pool: str) -> None:
+        p = self._pools[pool]
+        for rank in range(p.workers):  # a live rank may be stuck in a collective with the dead one
+            self._ray.kill(self.actors.pop((pool, rank)), no_restart=True)
+        for rank in range(p.workers):
+            self.actors[(pool, rank)] = self._worker(p, rank, first_process=False)
+        if p.workers > 1:
+            self._form_groups(self._ray, [p])
+        keys = [(pool, rank) for rank in range(p.workers)]
+        self.pids.update(zip(keys, self._get(self._ray, [self.actors[k].ping.remote() for k in keys])))
 
     def replace(self, pool: str, rank: int) -> None:
         actor = self._worker(self._pools[pool], rank, first_process=False)

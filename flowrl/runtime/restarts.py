@@ -20,6 +20,12 @@ scores; the checks refuse ``max_restarts`` elsewhere) may lose its worker
 Each replacement counts in the step's ``faults/restarts`` and is logged with
 the worker, the cause and the step.
 
+A pool whose ranks form one process group, or whose role a node trains, cannot
+take a new worker in the middle of a step: its state lives on every rank. A
+dead worker there raises :class:`RollbackNeeded` (when its pool has a restart
+left), and ``flowrl run`` rolls the whole run back to its last checkpoint
+(:mod:`flowrl.runtime.rollback`).
+
 Example::
 
     restarts = Restarts({"gen": 1})
@@ -29,11 +35,15 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+from flowrl.graph import Graph
 from flowrl.runtime.backend import describe_death
+from flowrl.runtime.errors import RuntimeFailure
+from flowrl.runtime.hangs import STACKS_TIMEOUT_S
 from flowrl.runtime.plan import Plan, TaskKey
 
 log = logging.getLogger("flowrl.restarts")
@@ -49,19 +59,47 @@ class Restart:
     cause: str
     step: int  # 0-based
     rerun: int  # tasks submitted again
+    rolled_back_to: int | None = None  # a rollback: the step (0-based) of the checkpoint the run went on from
 
     def __str__(self) -> str:
+        if self.rolled_back_to is not None:
+            return (f"worker {self.worker} died at step {self.step + 1} ({self.cause}); its pool was started "
+                    f"anew and the run rolled back to the checkpoint of step {self.rolled_back_to + 1}")
         return (f"worker {self.worker} died at step {self.step + 1} ({self.cause}); replaced by a new process, "
                 f"{self.rerun} task(s) run again")
+
+
+class RollbackNeeded(RuntimeFailure):
+    """A worker of a pool that must roll back (see the module docstring) died, and the pool has a
+    restart left. ``dead``: ``(pool, rank, label, cause)`` of every dead worker; ``pools``: the
+    pools to start anew; ``step``: the step (0-based) being finished."""
+
+    def __init__(self, dead: list[tuple[str, int, str, str]], pools: list[str], step: int) -> None:
+        self.dead, self.pools, self.step = dead, pools, step
+        _, _, label, cause = dead[0]
+        super().__init__(
+            f"worker {label} died at step {step + 1} ({cause}); pool {pools[0]!r} holds a sharded or trained "
+            f"role, so the run must roll back to its last checkpoint: flowrl run does that itself "
+            f"(pools.{pools[0]}.max_restarts); a Runtime driven by hand cannot — resume it from a checkpoint")
 
 
 class Restarts:
     """How many replacements each pool may still have, and the ones made."""
 
-    def __init__(self, allowed: dict[str, int]) -> None:
+    def __init__(self, allowed: dict[str, int], rolls_back: Iterable[str] = ()) -> None:
+        """``rolls_back``: the pools whose dead worker rolls the run back rather than being replaced."""
         self.allowed = dict(allowed)
+        self.rolls_back = set(rolls_back)
         self.used: Counter[str] = Counter()
         self.events: list[Restart] = []
+
+    @classmethod
+    def for_graph(cls, graph: Graph) -> "Restarts":
+        """Each pool's ``max_restarts``; the pools of several workers or with a trained role roll back."""
+        trained = {node.role for node in graph.nodes.values() if node.updates_role}
+        pools = graph.config.pools
+        return cls({p: cfg.max_restarts for p, cfg in pools.items()},
+                   [p for p, cfg in pools.items() if cfg.workers > 1 or trained & set(cfg.roles)])
 
     def allows(self, dead: Iterable[Worker]) -> bool:
         dead = list(dead)
@@ -140,17 +178,36 @@ def replace_dead(backend: Any, restarts: Restarts, syncs: dict[tuple[str, int, s
         return False
     cause = describe_death(exc) or describe_death(getattr(exc, "cause", None) or exc) or type(exc).__name__
     dead = set(backend.dead_workers())
+    if not dead and any(restarts.allowed.get(p) for p in restarts.rolls_back) and "collective" in str(exc):
+        dead = _wait_for_death(backend)  # a peer's broken collective can come before Ray has seen the death
     if not restarts.allows(dead):
         return False
+    rolled = sorted({pool for pool, _ in dead} & restarts.rolls_back)
+    if rolled:
+        backend.discard([h for st in steps for h in [*st.reports, *(h for o in st.outputs.values()
+                                                                      for h in o.handles())]])
+        raise RollbackNeeded([(p, r, backend.worker_label(p, r), backend.death_cause(p, r) or cause)
+                              for p, r in sorted(dead)], rolled, steps[0].step)
     lost, lost_updates = lost_tasks(steps, dead, lambda h: report_status(backend, h))
     labels = {w: backend.worker_label(*w) for w in dead}
     for w in sorted(dead):
         backend.replace(*w)
     rerun = resubmit(steps, lost, lost_updates, dead, syncs, submit, op_state, after, backend.discard)
     for w in sorted(dead):
-        restarts.record(Restart(labels[w], cause, steps[0].step, rerun), w[0])
+        restarts.record(Restart(labels[w], backend.death_cause(*w) or cause, steps[0].step, rerun), w[0])
     steps[0].faults["restarts"] += len(dead)
     return True
+
+
+def _wait_for_death(backend: Any) -> set[Worker]:
+    """The dead workers, asked again for a few seconds while none is found."""
+    until = time.monotonic() + STACKS_TIMEOUT_S
+    while time.monotonic() < until:
+        time.sleep(0.25)
+        dead = set(backend.dead_workers())
+        if dead:
+            return dead
+    return set()
 
 
 def resubmit(steps: list[Any], lost: list[list[TaskKey]], lost_updates: set[tuple[str, int]], dead: set[Worker],
@@ -189,4 +246,4 @@ def report_status(backend: Any, handle: Any) -> bool | None:
     return True
 
 
-__all__ = ["Restart", "Restarts", "forget", "lost_tasks", "replace_dead", "report_status", "resubmit"]
+__all__ = ["Restart", "Restarts", "RollbackNeeded", "forget", "lost_tasks", "replace_dead", "report_status", "resubmit"]

@@ -42,10 +42,10 @@ from flowrl.runtime.reads import fetched, task_input
 from flowrl.runtime.record import collect_records
 from flowrl.runtime.refill import keyed_draw, refill_of, refill_step
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
-from flowrl.runtime.restarts import Restarts, replace_dead
+from flowrl.runtime.restarts import Restarts, RollbackNeeded, replace_dead
 from flowrl.runtime.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
-from flowrl.runtime.watchdog import check_timeouts, get_within
+from flowrl.runtime.watchdog import TaskTimeout, check_timeouts, get_within
 from flowrl.runtime.worker import Call, Info, node_entries
 
 TaskKey = tuple[str, int | None]
@@ -106,15 +106,11 @@ class Runtime:
         self.poll_s = poll_s
         self.on_progress = on_progress
         self.max_staleness = max((e.staleness for e in graph.state_edges), default=0)
-        self.versions = Versions(self.max_staleness, self.backend.call, lambda: self.backend.put(None))
-        # per plan: stateful node → handle of its latest state (a report)
-        self._op_state: dict[str, dict[str, Any]] = {p.kind: {} for p in self.plan.runs()}
-        self._last_step_end: float | None = None
-        self._worker_free: dict[tuple[str, int], float] = {}  # when each worker last finished a task
+        self.forget_steps()
         self._stop = False
         self._started = False
         self._in_flight: deque[_Step] = deque()  # the steps submitted behind the one being finished
-        self.restarts = Restarts({p: cfg.max_restarts for p, cfg in graph.config.pools.items()})
+        self.restarts = Restarts.for_graph(graph)
         self._stage = stage or (lambda t: Path(tempfile.gettempdir()) / f"flowrl-shards-{os.getpid()}-{id(self)}"
                                 / f"step_{t + 1:08d}")
 
@@ -128,6 +124,14 @@ class Runtime:
         self.backend.start(self.plan.pools, nodes, self.graph.config.trainer.seed, driver=self.plan.driver)
         self._started = True
         return self
+
+    def forget_steps(self) -> None:
+        """No step in flight, no weight version moved (at the start, and for a rollback: :meth:`restore` next)."""
+        self.versions = Versions(self.max_staleness, self.backend.call, lambda: self.backend.put(None))
+        # per plan: stateful node → handle of its latest state (a report)
+        self._op_state: dict[str, dict[str, Any]] = {p.kind: {} for p in self.plan.runs()}
+        self._last_step_end: float | None = None
+        self._worker_free: dict[tuple[str, int], float] = {}  # when each worker last finished a task
 
     # ------------------------------------------------------------------ running
     def run(
@@ -175,7 +179,7 @@ class Runtime:
                 if on_step is not None:
                     on_step(result)
                 yield result
-        except GeneratorExit:  # the caller stopped iterating (run_step): the runtime stays up
+        except (GeneratorExit, RollbackNeeded):  # the caller stopped iterating (run_step), or rolls back: stays up
             raise
         except BaseException:
             self.close()
@@ -268,8 +272,13 @@ class Runtime:
                 self.timeline.add(info)
             if done and self.on_progress is not None and training:
                 self.on_progress(st.step, node_states(st.plan, ended))
-            check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free, label,
-                           self.backend.stacks)
+            try:
+                check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free,
+                               label, self.backend.stacks)
+            except TaskTimeout as e:  # the live view marks the stuck node
+                if self.on_progress is not None and training and e.node is not None:
+                    self.on_progress(st.step, {**node_states(st.plan, ended), e.node: "stuck"})
+                raise
         if training:
             self.versions.finished(st.step)
         metrics, makespan, bound = step_metrics(st.plan, infos, st.submitted_at)

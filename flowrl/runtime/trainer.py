@@ -48,6 +48,8 @@ from flowrl.runtime.checkpoint import (CheckpointError, CheckpointStore, Unreada
 from flowrl.runtime.backends import make_backend
 from flowrl.runtime.dumps import graph_fields, write_rollouts
 from flowrl.runtime.plancheck import PlanCheck
+from flowrl.runtime import rollback
+from flowrl.runtime.restarts import RollbackNeeded
 from flowrl.runtime.fingerprints import FingerprintLog
 from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.record import Recorder
@@ -147,18 +149,29 @@ class Trainer:
         restore_signals = self._install_signals()
         done = start_step - 1
         saved = start_step - 1
+
+        def roll_back(e: RollbackNeeded) -> int:  # a dead worker of a sharded pool (flowrl.runtime.rollback)
+            nonlocal prints
+            if prints is not None:
+                prints.close()
+            step = rollback.roll_back(self, e, sinks)
+            prints = self._fingerprints(step)
+            if self.recorder is not None:  # the steps run again are recorded again
+                self.recorder = Recorder(self.out, self.graph, self.say, keep_through=step)
+            return step
+
         try:
             sinks = open_sinks(self.out, cfg.trainer.wandb_project, run_name=cfg.name, config=cfg.dump())
             prints = self._fingerprints(start_step)
             if cfg.trainer.record is not None:
                 self.recorder = Recorder(self.out, self.graph, self.say, keep_through=start_step)
             try:
-                results = self.runtime.run(
-                    self.source, steps=self.steps - start_step, start_step=start_step,
+                results = rollback.rolling(lambda s: self.runtime.run(
+                    self.source, steps=self.steps - s, start_step=s,
                     # a run always ends with a checkpoint, so it always leaves a model
                     checkpoint=lambda t: (bool(every) and (t + 1) % every == 0) or t == last,
                     validate=lambda t: bool(val_every) and ((t + 1) % val_every == 0 or t == last),
-                    val_batches=self.val_source)
+                    val_batches=self.val_source), start_step, roll_back)
                 for result in results:
                     row = self._row(result, start)
                     sinks.write(row["step"], row)

@@ -375,8 +375,9 @@ class Worker:
         return os.getpid()
 
     def stacks(self) -> str:
-        """Every thread's Python stack in this process (asked on a control thread while a task may be stuck)."""
-        return thread_stacks()
+        """Every thread's Python stack in this process (asked on a control thread while a task may be stuck),
+        headed by the collective of the pool's group it is inside, if any."""
+        return self.group.where() + thread_stacks()
 
     def _set_version(self, owner: str) -> None:
         for name, o in self.owner.items():

@@ -1,0 +1,99 @@
+"""A rank of a 2-worker FSDP pool killed at step 5: the pool starts anew, the run rolls back to its last
+checkpoint in the same driver and ends with the uninterrupted run's metrics. (Without a restart left, the
+run stops naming the dead rank: test_distributed_runtime's killed-rank test, max_restarts being 0 there.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from flowrl.data.metrics import measured
+from flowrl.graph import load_graph
+from flowrl.runtime.errors import RuntimeFailure
+from flowrl.runtime.faults import FAULT_ENV
+from flowrl.runtime.sinks import read_metrics
+from flowrl.runtime.trainer import Trainer
+
+pytest.importorskip("ray")
+
+TWO = {"pools.train.workers": 2, "data.batch_size": 4, "nodes.generate.n": 4, "nodes.generate.max_new_tokens": 4,
+       "trainer.checkpoint_every": 2, "trainer.val_every": 0}
+STEPS = 5
+KILL = "node=update_actor,step=5,rank=1,kind=kill"
+
+
+def _train(out, fault: str | None, mp: pytest.MonkeyPatch, said: list[str], **extra):
+    if fault is None:
+        mp.delenv(FAULT_ENV, raising=False)
+    else:
+        mp.setenv(FAULT_ENV, fault)
+    g = load_graph("grpo", overrides={**TWO, **extra})
+    trainer = Trainer(g, backend="ray", steps=STEPS, out=out, say=said.append)
+    try:
+        return trainer, trainer.run(), None
+    except RuntimeFailure as e:
+        return trainer, None, e
+
+
+@pytest.fixture(scope="module")
+def runs(ray_session, tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    root = tmp_path_factory.mktemp("rollback")
+    out = {}
+    try:
+        for name, fault, extra in (("clean", None, {}), ("killed", KILL, {"pools.train.max_restarts": 1})):
+            said: list[str] = []
+            trainer, history, error = _train(root / name, fault, mp, said, **extra)
+            out[name] = (trainer, history, error, said, root / name)
+    finally:
+        mp.undo()
+    return out
+
+
+def _computed(row: dict) -> dict:
+    """Every metric that does not measure the machine (or count the faults)."""
+    return {k: v for k, v in row.items() if not measured(k) and not k.startswith("faults/")}
+
+
+def test_a_killed_rank_rolls_the_run_back_and_it_ends_with_the_uninterrupted_metrics(runs):
+    *_, clean_dir = runs["clean"]
+    trainer, history, error, said, killed_dir = runs["killed"]
+    assert error is None, error
+    clean = [row for _, row in read_metrics(clean_dir / "metrics.jsonl", warn=print)]
+    killed = [row for _, row in read_metrics(killed_dir / "metrics.jsonl", warn=print)]
+    assert [r["step"] for r in killed] == list(range(1, STEPS + 1))  # steps after the checkpoint cut back
+    assert [r.get("faults/restarts", 0) for r in killed] == [0, 0, 0, 0, 1]
+    assert [r.get("faults/rollbacks", 0) for r in killed] == [0, 0, 0, 0, 1]
+    for step, (got, want) in enumerate(zip(killed, clean), 1):
+        assert _computed(got).keys() == _computed(want).keys() and "actor/pg_loss" in got
+        for k, v in _computed(want).items():
+            assert got[k] == pytest.approx(v, rel=1e-6, abs=1e-7), (step, k)
+    assert [r["step"] for r in history] == list(range(1, STEPS + 1))
+    # fingerprints cut back as --resume cuts them: one record per step
+    prints = [row for _, row in read_metrics(killed_dir / "fingerprints.jsonl", warn=print) if "step" in row]
+    assert [r["step"] for r in prints] == list(range(1, STEPS + 1))
+
+
+def test_the_rollback_names_the_worker_the_cause_and_the_step(runs):
+    trainer, _, _, said, _ = runs["killed"]
+    [event] = trainer.runtime.restarts.events
+    assert event.worker.startswith("train[1] (pid ") and event.step == 4 and event.rolled_back_to == 3
+    assert "ActorDiedError" in event.cause or "RayActorError" in event.cause  # Ray's words for how it ended
+    line = next(m for m in said if "rolled back" in m)
+    assert "died at step 5" in line and "checkpoint of step 4" in line and "restart 1 of 1" in line
+
+
+def test_a_rollback_before_the_first_checkpoint_fails_naming_the_worker(tmp_path):
+    from flowrl.runtime import rollback
+    from flowrl.runtime.errors import WorkerDiedError
+    from flowrl.runtime.restarts import RollbackNeeded
+
+    g = load_graph("grpo", overrides={**TWO, "pools.train.max_restarts": 1})
+    trainer = Trainer(g, backend="local", steps=STEPS, out=tmp_path, say=lambda m: None)
+    died = RollbackNeeded([("train", 1, "train[1] (pid 7)", "ActorDiedError: …")], ["train"], 0)
+    assert "flowrl run does that itself (pools.train.max_restarts)" in str(died)
+    with pytest.raises(WorkerDiedError) as exc:
+        rollback.roll_back(trainer, died, sinks=None)
+    text = str(exc.value)
+    assert text.startswith("worker train[1] (pid 7) died at step 1 (ActorDiedError: …)")
+    assert "none has been saved yet (the first comes after step 2)" in text
+    assert not trainer.runtime.restarts.events
