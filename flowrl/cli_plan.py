@@ -31,7 +31,7 @@ from rich.table import Table
 
 from flowrl.graph import Graph, GraphError, load_graph
 from flowrl.runtime.costs import (COST_FILE, GIB, CostFile, CostFileError, NodeCost, Record, RoleMemory,
-                                  Transfer, calibrate_latency, fit_line, graph_key, load_costs, median_or_zero,
+                                  Transfer, WARMUP, calibrate_latency, fit_line, graph_key, load_costs, median_or_zero,
                                   metric_samples, node_samples, records_of, save_costs, step_intervals,
                                   task_records, world_factors)
 from flowrl.runtime.errors import RuntimeFailure
@@ -137,7 +137,7 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
     latencies = []
     for plan, records, rows in runs:
         measured = median_or_zero(step_intervals(records)) if records else median_or_zero(
-            [r.get("timing/interval", r.get("timing/step", 0.0)) for r in rows[1:]])
+            [r.get("timing/interval", r.get("timing/step", 0.0)) for r in rows[WARMUP:]])
         if measured > 0:
             latencies.append(calibrate_latency(plan, costs, measured, predict_step))
     return costs.model_copy(update={"task_latency_s": median_or_zero(latencies)})

@@ -43,6 +43,9 @@ from flowrl.runtime.pools import DRIVER
 COST_VERSION = 1
 COST_FILE = "costs.json"
 GIB = 1024 ** 3
+#: steps left out of every fit and measure: a run's first two steps measure slower (allocations, Adam's
+#: state, caches filling; profiling grpo here, 2-3x the update's later seconds), the ones after are alike
+WARMUP = 2
 
 
 class CostFileError(ValueError):
@@ -214,7 +217,7 @@ def fit_line(samples: list[tuple[float, float]]) -> NodeCost:
                     rows_seen=seen, samples=len(samples))
 
 
-def node_samples(plan: Plan, records: list[Record], skip_steps: int = 1) -> dict[str, list[tuple[float, float]]]:
+def node_samples(plan: Plan, records: list[Record], skip_steps: int = WARMUP) -> dict[str, list[tuple[float, float]]]:
     """``(rows on the rank, seconds)`` per node from a run of ``plan`` (its first ``skip_steps`` warm up)."""
     out: dict[str, list[tuple[float, float]]] = {}
     first = min((r.step for r in records), default=0)
@@ -226,7 +229,7 @@ def node_samples(plan: Plan, records: list[Record], skip_steps: int = 1) -> dict
     return out
 
 
-def metric_samples(plan: Plan, rows: list[dict[str, Any]], skip_steps: int = 1) -> dict[str, list[tuple[float, float]]]:
+def metric_samples(plan: Plan, rows: list[dict[str, Any]], skip_steps: int = WARMUP) -> dict[str, list[tuple[float, float]]]:
     """The same from ``metrics.jsonl``: ``timing/<node>`` is the sum of its tasks' (slowest-rank) seconds."""
     out: dict[str, list[tuple[float, float]]] = {}
     for row in rows[skip_steps:]:
@@ -252,7 +255,7 @@ def world_factors(nodes: dict[str, NodeCost], plan: Plan, samples: dict[str, lis
             nodes[node].world_factor[world] = statistics.median(ratios)
 
 
-def step_intervals(records: list[Record], skip_steps: int = 1) -> list[float]:
+def step_intervals(records: list[Record], skip_steps: int = WARMUP) -> list[float]:
     """Seconds between the ends of consecutive steps (a step's wall time, overlap included)."""
     ends: dict[int, float] = {}
     for r in records:
@@ -343,7 +346,7 @@ def median_or_zero(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
 
-__all__ = ["COST_FILE", "COST_VERSION", "CostFile", "CostFileError", "GIB", "NodeCost", "Record", "RoleMemory",
+__all__ = ["COST_FILE", "COST_VERSION", "WARMUP", "CostFile", "CostFileError", "GIB", "NodeCost", "Record", "RoleMemory",
            "Transfer", "calibrate_latency", "device_memory", "fit_line", "graph_key", "load_costs",
            "median_or_zero", "metric_samples", "node_samples", "records_of", "rank_rows", "save_costs",
            "step_intervals", "task_records", "task_seconds", "world_factors"]
