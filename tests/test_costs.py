@@ -9,10 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from flowrl.cli import app
-from flowrl.cli_plan import fit_runs, predict_step
+from flowrl.cli_plan import fit_runs
 from flowrl.graph import load_graph
-from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, fit_line,
-                                  graph_key, load_costs, rank_rows, save_costs, task_records, task_seconds)
+from flowrl.runtime.costfit import calibrate_overheads, fit_line, predict_step, solo_seconds
+from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, graph_key,
+                                  load_costs, rank_rows, save_costs, task_records, task_seconds)
 from flowrl.runtime.plan import make_plan
 from flowrl.runtime.plancheck import PlanCheck
 
@@ -60,7 +61,7 @@ def test_two_profiled_micro_batch_counts_recover_each_nodes_fixed_and_per_row_co
     assert costs.task_latency_s == pytest.approx(0.0, abs=1e-9)  # the records have no gaps to calibrate
     # the prediction of the profiled configuration is its measured step
     plan = runs[0][0]
-    assert predict_step(plan, task_seconds(plan, costs)) == pytest.approx(
+    assert predict_step(plan, costs, cpus=2)[0] == pytest.approx(
         sum(f + p * 256 for f, p in TRUTH.values()), rel=1e-6)
 
 
@@ -170,3 +171,34 @@ def test_profile_refuses_a_directory_that_is_not_a_run(tmp_path):
     res = CliRunner().invoke(app, ["profile", str(tmp_path)])
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert isinstance(res.exception, SystemExit)
+
+
+def test_a_line_goes_through_each_row_counts_median_so_a_stalled_task_does_not_move_it():
+    samples = [(r, 0.3 + 0.01 * r) for r in (8, 16) for _ in range(5)] + [(16, 4.0)]  # one task stalled 10×
+    line = fit_line(samples)
+    assert line.fixed_s == pytest.approx(0.3) and line.per_row_s == pytest.approx(0.01)
+
+
+def test_tasks_that_shared_the_cores_are_fitted_at_the_seconds_they_would_take_alone():
+    plan = make_plan(load_graph("grpo_async"))
+    # generate (gen pool) and the update (train pool) ran at once for 2 s on 1 core: 1 s of work each;
+    # reward and advantage (driver threads of one process) at once with them, then alone
+    recs = [Record("generate", None, 0, 0, 0.0, 2.0), Record("update_actor", None, 0, 0, 0.0, 2.0),
+            Record("reward", None, 0, 0, 2.0, 3.0), Record("advantage", None, 0, 0, 2.0, 3.0)]
+    assert solo_seconds(plan, recs, cpus=1) == pytest.approx([1.0, 1.0, 0.5, 0.5])
+    assert solo_seconds(plan, recs, cpus=2) == pytest.approx([2.0, 2.0, 0.5, 0.5])  # threads share their process
+    assert solo_seconds(plan, recs, cpus=None) == pytest.approx([2.0, 2.0, 1.0, 1.0])
+
+
+def test_calibration_tells_the_latency_of_a_task_from_the_drivers_work_per_step():
+    g = load_graph("grpo")
+    plans = [make_plan(load_graph("grpo", overrides={"schedule.micro_batches": k})) for k in (1, 2)]
+    costs = CostFile(graph=g.name, key=graph_key(g), nodes={n: NodeCost(fixed_s=0.05) for n in g.nodes})
+    truth = costs.model_copy(update={"task_latency_s": 0.01, "step_overhead_s": 0.06})
+    # one core: the driver's work per step takes it from the worker, every step pays it whole
+    runs = [(p, predict_step(p, truth, cpus=1)[0]) for p in plans]
+    latency, overhead = calibrate_overheads(runs, costs, cpus=1)
+    assert latency == pytest.approx(0.01, abs=2e-3) and overhead == pytest.approx(0.06, abs=5e-3)
+    for p, measured in runs:
+        fitted = costs.model_copy(update={"task_latency_s": latency, "step_overhead_s": overhead})
+        assert predict_step(p, fitted, cpus=1)[0] == pytest.approx(measured, rel=0.02)

@@ -1,7 +1,6 @@
 """Every run checks its plan's prediction against what it measures: ``plan/predicted_step_s``, ``plan/error``.
 
-The prediction is the search's (:func:`~flowrl.runtime.simulate.seconds_per_step`
-over :func:`~flowrl.runtime.costs.task_seconds`) from the cost file in the run
+The prediction is the search's (:func:`~flowrl.runtime.costfit.predict_step`) from the cost file in the run
 directory (``costs.json``, written by ``flowrl profile``) when it was profiled
 for this graph; otherwise from the node times this run measured so far (each
 node's median ``timing/<node>`` over the steps before), so the number checks the
@@ -19,10 +18,12 @@ Example::
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from flowrl.runtime.costfit import cores_for, predict_step
 from flowrl.runtime.costs import COST_FILE, CostFile, CostFileError, load_costs, task_seconds
 from flowrl.runtime.plan import Plan, TaskKey
 from flowrl.runtime.simulate import seconds_per_step
@@ -56,14 +57,14 @@ class PlanCheck:
 
     def predicted(self) -> tuple[float, dict[str, float]] | None:
         """Seconds per step and per node as predicted now (None before anything to predict from)."""
-        if self.costs is not None:
-            seconds = task_seconds(self.plan, self.costs)
-        elif self.seen:
-            per_node = {n: statistics.median(xs) for n, xs in self.seen.items()}
-            seconds = {k: per_node.get(t.node, 0.0) / len(self.plan.node_tasks(t.node))
-                       for k, t in self.plan.tasks.items()}
-        else:
+        if self.costs is not None:  # the search's prediction: its tasks share this machine's cores
+            step_s = predict_step(self.plan, self.costs, cores_for(self.plan, float(os.cpu_count() or 1)), STEPS)[0]
+            return step_s, self.node_seconds(task_seconds(self.plan, self.costs))
+        if not self.seen:
             return None
+        # measured as they ran, sharing the cores already: simulated with a device each
+        per_node = {n: statistics.median(xs) for n, xs in self.seen.items()}
+        seconds = {k: per_node.get(t.node, 0.0) / len(self.plan.node_tasks(t.node)) for k, t in self.plan.tasks.items()}
         return seconds_per_step(self.plan, seconds, STEPS)[0], self.node_seconds(seconds)
 
     def observe(self, row: dict[str, Any]) -> dict[str, float]:
