@@ -40,13 +40,15 @@ from pathlib import Path
 from typing import Any
 
 import _common  # noqa: F401  (repository on sys.path, one torch thread)
+import torch
 from _common import ROOT, print_table
 from rich.console import Console
 
 from flowrl.cli_plan import fit_runs, profile_command, read_run
 from flowrl.graph import load_graph
 from flowrl.runtime import ray_start
-from flowrl.runtime.costs import COST_FILE, WARMUP, Transfer, load_costs, records_of, save_costs, step_intervals
+from flowrl.runtime.costfit import step_intervals
+from flowrl.runtime.costs import COST_FILE, WARMUP, Transfer, load_costs, records_of, save_costs
 from flowrl.runtime.search import Budget, Outcome, describe, search
 from flowrl.runtime.traits import traits_of
 from flowrl.runtime.trainer import Trainer
@@ -109,21 +111,40 @@ def chosen(n: int, k: int, shipped: int) -> list[int]:
     return picks if shipped < 0 or shipped in picks else sorted({*spread(n, k - 1), shipped})
 
 
+def probe() -> float:
+    """Seconds of a fixed one-thread matrix workload (the median of five): how fast this shared machine
+    runs one of our processes right now. Timed before and after the profile and every measured run, it
+    shows how the neighbours' load moved between them."""
+    x = torch.randn(160, 160)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(40):
+            x = torch.tanh(x @ x)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def report(graph: str, backend: str, steps: int, ranked: list[Outcome], measured: dict[str, float],
-           shipped: int, load: tuple[float, float]) -> dict[str, Any]:
-    """One graph's table; returns its summary."""
+           shipped: int, load: tuple[float, float], slower: dict[str, float]) -> dict[str, Any]:
+    """One graph's table; returns its summary. ``slower``: per configuration, how much slower the
+    probe ran around its run than around the profile (the load-adjusted error divides by it)."""
     rows = [(i, o, measured[key_of(o.overrides)]) for i, o in enumerate(ranked) if key_of(o.overrides) in measured]
     by_measured = [r[0] for r in sorted(rows, key=lambda r: r[2])]
     errors = [abs(s / o.step_s - 1) for _, o, s in rows]
+    factor = {i: slower.get(key_of(o.overrides), 1.0) for i, o, _ in rows}
+    adjusted = [abs(s / factor[i] / o.step_s - 1) for i, o, s in rows]
     table = []
     for i, o, s in rows:
         table.append([str(i + 1), describe(o) + (" (shipped)" if i == shipped else ""), f"{o.step_s:.3f}",
-                      f"{s:.3f}", f"{s / o.step_s - 1:+.0%}", str(1 + by_measured.index(i))])
+                      f"{s:.3f}", f"{s / o.step_s - 1:+.0%}", str(1 + by_measured.index(i)), f"{factor[i]:.2f}",
+                      f"{s / factor[i] / o.step_s - 1:+.0%}"])
     fastest = min(s for *_, s in rows)
     at = {i: s for i, _, s in rows}
     nan = float("nan")
     summary = {"graph": graph, "configs": len(rows), "searched": len(ranked),
                "median_error": statistics.median(errors), "worst_error": max(errors),
+               "median_adjusted": statistics.median(adjusted),
                # a refit may pick a configuration the run did not measure: rank 0 then
                "pick_rank": 1 + by_measured.index(0) if 0 in at else 0,
                "pick_vs_fastest": at[0] / fastest - 1 if 0 in at else nan,
@@ -131,11 +152,14 @@ def report(graph: str, backend: str, steps: int, ranked: list[Outcome], measured
                "pick_vs_shipped": at[0] / at[shipped] - 1 if shipped in at and 0 in at else nan, "load": list(load)}
     print_table(f"plan search on {graph} ({backend} backend, {steps} steps per configuration, the first {WARMUP} "
                 f"warm up)", ["search rank", "configuration", "predicted s/step", "measured s/step", "error",
-                              "measured rank"], table,
+                              "measured rank", "probe vs profile", "error, load-adjusted"], table,
                 notes=[f"median |error| {summary['median_error']:.0%}, worst {summary['worst_error']:.0%} over "
-                       f"{len(rows)} of {len(ranked)} configurations; the picked one measured rank {summary['pick_rank']} of "
+                       f"{len(rows)} of {len(ranked)} configurations (load-adjusted: median "
+                       f"{summary['median_adjusted']:.0%}); the picked one measured rank {summary['pick_rank']} of "
                        f"{len(rows)}, {summary['pick_vs_fastest']:+.0%} vs the fastest measured",
-                       f"load average {load[0]:.1f} before, {load[1]:.1f} after, on {os.cpu_count()} cores"])
+                       f"load average {load[0]:.1f} before, {load[1]:.1f} after, on {os.cpu_count()} cores; "
+                       f"probe vs profile: how much slower a fixed one-thread workload ran around that run than "
+                       f"around the profile (the load-adjusted error divides the measured time by it)"])
     return summary
 
 
@@ -182,20 +206,24 @@ def main() -> None:
         for graph in graphs:
             home = work / graph
             load0 = os.getloadavg()[0]
-            t0 = time.time()
+            t0, before = time.time(), probe()
             path = profile_command(graph, args.profile_steps, str(home), base, args.backend, say=say, err=console)
+            reference = (before + probe()) / 2
             ranked, shipped = searched(graph, base, path, args.backend)
             measured: dict[str, float] = {}
+            slower: dict[str, float] = {}
             for i in chosen(len(ranked), args.configs, shipped):
                 o = ranked[i]
                 say(f"{graph}: configuration {i + 1} of {len(ranked)}: {describe(o)}")
+                before = probe()
                 intervals = measure(graph, {**base, **o.overrides}, args.steps, args.backend, home / f"config_{i}")
                 measured[key_of(o.overrides)] = statistics.median(intervals)
-            saved["graphs"][graph] = {"measured": measured, "seconds": time.time() - t0,
+                slower[key_of(o.overrides)] = (before + probe()) / 2 / reference
+            saved["graphs"][graph] = {"measured": measured, "slower": slower, "seconds": time.time() - t0,
                                       "load": [load0, os.getloadavg()[0]]}
             (work / "results.json").write_text(json.dumps(saved, indent=1))
             summaries.append(report(graph, args.backend, args.steps, ranked, measured, shipped,
-                                    (load0, os.getloadavg()[0])))
+                                    (load0, os.getloadavg()[0]), slower))
     finally:
         if boot is not None:
             import ray  # noqa: PLC0415 - the benchmark's own Ray, started above
@@ -215,17 +243,18 @@ def refit_all(work: Path, graphs: list[str], base: dict, backend: str) -> None:
             continue
         path = refit(graph, saved.get("base", base), work / graph, backend)
         ranked, shipped = searched(graph, saved.get("base", base), path, backend)
-        summaries.append(report(graph, backend, saved["steps"], ranked, saved["graphs"][graph]["measured"],
-                                shipped, saved["graphs"][graph].get("load", os.getloadavg()[:2])))
+        kept = saved["graphs"][graph]
+        summaries.append(report(graph, backend, saved["steps"], ranked, kept["measured"], shipped,
+                                kept.get("load", os.getloadavg()[:2]), kept.get("slower", {})))
     summarise(summaries, work)
 
 
 def summarise(summaries: list[dict[str, Any]], work: Path) -> None:
     print_table("plan search, every graph", ["graph", "configurations", "median |error|", "worst |error|",
-                                             "pick's measured rank", "pick vs fastest", "shipped's measured rank",
-                                             "pick vs shipped", "load average"],
+                                             "median, load-adjusted", "pick's measured rank", "pick vs fastest",
+                                             "shipped's measured rank", "pick vs shipped", "load average"],
                 [[s["graph"], f"{s['configs']} of {s['searched']}", f"{s['median_error']:.0%}",
-                  f"{s['worst_error']:.0%}", f"{s['pick_rank']} of {s['configs']}", f"{s['pick_vs_fastest']:+.0%}",
+                  f"{s['worst_error']:.0%}", f"{s['median_adjusted']:.0%}", f"{s['pick_rank']} of {s['configs']}", f"{s['pick_vs_fastest']:+.0%}",
                   f"{s['shipped_rank']} of {s['configs']}", f"{s['pick_vs_shipped']:+.0%}",
                   "-".join(f"{x:.1f}" for x in s["load"])] for s in summaries],
                 notes=[f"measurements kept in {work}"])

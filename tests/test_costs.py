@@ -13,7 +13,7 @@ from flowrl.cli_plan import fit_runs
 from flowrl.graph import load_graph
 from flowrl.runtime.costfit import calibrate_overheads, fit_line, predict_step, solo_seconds
 from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, graph_key,
-                                  load_costs, rank_rows, save_costs, task_records, task_seconds)
+                                  load_costs, rank_rows, save_costs, task_inputs, task_records, task_seconds)
 from flowrl.runtime.plan import make_plan
 from flowrl.runtime.plancheck import PlanCheck
 
@@ -149,6 +149,7 @@ def test_every_step_logs_the_plans_prediction_and_warns_naming_the_node_that_dri
     predicted = 0.001 * 256 + 0.002 * 256
     ok = check.observe({"step": 1, "timing/step": predicted, "timing/generate": 0.256, "timing/update_actor": 0.512})
     assert ok["plan/predicted_step_s"] == pytest.approx(predicted) and ok["plan/error"] == pytest.approx(0.0)
+    assert ok["plan/predicted_critical_path_s"] == pytest.approx(predicted)  # one chain: the step is its path
     slow = {"step": 2, "timing/interval": predicted + 0.4, "timing/generate": 0.656, "timing/update_actor": 0.512}
     out = check.observe(slow)
     assert out["plan/error"] == pytest.approx(0.4 / predicted)
@@ -202,3 +203,23 @@ def test_calibration_tells_the_latency_of_a_task_from_the_drivers_work_per_step(
     for p, measured in runs:
         fitted = costs.model_copy(update={"task_latency_s": latency, "step_overhead_s": overhead})
         assert predict_step(p, fitted, cpus=1)[0] == pytest.approx(measured, rel=0.02)
+
+
+def test_the_live_view_shows_predicted_against_measured_step_and_critical_path():
+    from visualizer.live import plan_line
+
+    assert plan_line({"timing/step": 1.0}) is None  # no prediction: nothing to compare
+    text = plan_line({"timing/interval": 1.2, "timing/step": 1.0, "plan/predicted_step_s": 1.0,
+                      "scheduler/critical_path": 0.9, "plan/predicted_critical_path_s": 0.75})
+    assert "1.2 s/step measured, 1 predicted (+20%)" in text
+    assert "critical path 0.9 s measured, 0.75 predicted (+20%)" in text
+
+
+def test_an_update_reading_more_parts_is_fitted_a_cost_per_part():
+    # one batch-wide update after streamed micro-batches reads a part per micro-batch of each input
+    plans = {k: make_plan(load_graph("grpo", overrides={"schedule.micro_batches": k})) for k in (1, 2, 8)}
+    assert [task_inputs(plans[k].tasks[("update_actor", None)]) for k in (1, 2, 8)] == [2, 4, 16]
+    samples = [(256.0, 0.5 + 0.05 * k, k) for k in (2, 4) for _ in range(3)]
+    line = fit_line(samples)
+    assert line.per_input_s == pytest.approx(0.05) and line.per_row_s * 256 == pytest.approx(0.5)
+    assert line.fit == "proportional" and line.seconds(256, 16) == pytest.approx(0.5 + 0.05 * 16)
