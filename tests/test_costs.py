@@ -223,3 +223,6 @@ def test_an_update_reading_more_parts_is_fitted_a_cost_per_part():
     line = fit_line(samples)
     assert line.per_input_s == pytest.approx(0.05) and line.per_row_s * 256 == pytest.approx(0.5)
     assert line.fit == "proportional" and line.seconds(256, 16) == pytest.approx(0.5 + 0.05 * 16)
+    # on a loaded machine the two groups overlap: no cost per part is read into the noise
+    noisy = [(256.0, sec, 2) for sec in (0.5, 0.9, 0.6)] + [(256.0, sec, 4) for sec in (0.7, 0.55, 1.0)]
+    assert fit_line(noisy).per_input_s == 0 and fit_line(noisy).per_row_s * 256 == pytest.approx(0.65)

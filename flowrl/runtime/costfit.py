@@ -104,6 +104,8 @@ def fit_line(samples: list[tuple[float, ...]]) -> NodeCost:
     w = np.sqrt([len(groups[k]) for k in keys])
     seen, n = sorted({k[0] for k in keys}), len(samples)
     terms = [i for i in (0, 1) if len(set(x[:, i])) > 1]  # the drivers that varied
+    if 1 in terms and not _separated(groups):
+        terms.remove(1)  # the parts' effect is within the noise: two points would fit noise, not cost
     if not terms:
         if x[0, 0] > 0:  # one row count: through the origin
             return NodeCost(per_row_s=float(y @ w ** 2 / (x[:, 0] @ w ** 2)), fit="proportional", rows_seen=seen,
@@ -128,6 +130,14 @@ def fit_line(samples: list[tuple[float, ...]]) -> NodeCost:
             fit = "fixed"
     return NodeCost(fixed_s=fixed, per_row_s=per_row, per_input_s=float(slope.get(1, 0.0)), fit=fit, rows_seen=seen,
                     samples=n)
+
+
+def _separated(groups: dict[tuple[float, float], list[float]]) -> bool:
+    """Whether reading more parts took longer beyond doubt: at some row count, every task that read
+    more parts took longer than every task that read fewer (on a loaded machine two medians differ
+    by chance; whole samples seldom)."""
+    pairs = [(a, b) for a in groups for b in groups if a[0] == b[0] and a[1] < b[1]]
+    return bool(pairs) and all(min(groups[b]) > max(groups[a]) for a, b in pairs)
 
 
 def residuals(node: NodeCost, samples: list[tuple[float, ...]]) -> float:
