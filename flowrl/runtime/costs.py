@@ -1,9 +1,10 @@
 """Measured costs: each node's seconds as a function of its rows, weight syncs per byte, memory per role.
 
-A cost file is fitted from a run's task records (the per-task timings of a
-Chrome trace, or the per-node ``timing/<node>`` of its ``metrics.jsonl``). A
-task's seconds on one rank are ``fixed_s + per_row_s × rows`` where ``rows`` is
-what that rank runs: the task's rows in its node's row space (samples, not
+A cost file is fitted (:mod:`flowrl.runtime.costfit`) from a run's task records
+(the per-task timings of a Chrome trace, or the per-node ``timing/<node>`` of
+its ``metrics.jsonl``). A task's seconds on one rank, alone on a core, are
+``fixed_s + per_row_s × rows + per_input_s × inputs`` where ``inputs`` counts
+the parts it reads and ``rows`` is what that rank runs: the task's rows in its node's row space (samples, not
 prompts, after ``n``), divided over the ranks its dispatch mode splits them
 across. Real tokens per row are fixed by the graph (its ``max_new_tokens``,
 its data), which the search never changes, so rows carry them. A weight sync
