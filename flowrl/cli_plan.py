@@ -141,8 +141,7 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
 
 def fit_report(costs: CostFile) -> list[str]:
     """What a profile fitted, a line per node (its line, how far from its samples) and the overheads."""
-    out = [f"{n}: {c.fixed_s * 1e3:.1f} ms + {c.per_row_s * 1e3:.3f} ms/row + {c.per_input_s * 1e3:.1f} ms/input "
-           f"({c.fit}, {c.samples} tasks, median "
+    out = [f"{n}: {c.fixed_s * 1e3:.1f} ms + {c.per_row_s * 1e3:.3f} ms/row ({c.fit}, {c.samples} tasks, median "
            f"residual {c.residual:.0%})" + "".join(f", ×{f:.2f} on {w} workers" for w, f in c.world_factor.items())
            for n, c in costs.nodes.items()]
     return out + [f"task latency {costs.task_latency_s * 1e3:.1f} ms, driver work per step "

@@ -13,7 +13,7 @@ from flowrl.cli_plan import fit_runs
 from flowrl.graph import load_graph
 from flowrl.runtime.costfit import calibrate_overheads, fit_line, predict_step, solo_seconds
 from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, graph_key,
-                                  load_costs, rank_rows, save_costs, task_inputs, task_records, task_seconds)
+                                  load_costs, rank_rows, save_costs, task_records, task_seconds)
 from flowrl.runtime.plan import make_plan
 from flowrl.runtime.plancheck import PlanCheck
 
@@ -213,16 +213,3 @@ def test_the_live_view_shows_predicted_against_measured_step_and_critical_path()
                       "scheduler/critical_path": 0.9, "plan/predicted_critical_path_s": 0.75})
     assert "1.2 s/step measured, 1 predicted (+20%)" in text
     assert "critical path 0.9 s measured, 0.75 predicted (+20%)" in text
-
-
-def test_an_update_reading_more_parts_is_fitted_a_cost_per_part():
-    # one batch-wide update after streamed micro-batches reads a part per micro-batch of each input
-    plans = {k: make_plan(load_graph("grpo", overrides={"schedule.micro_batches": k})) for k in (1, 2, 8)}
-    assert [task_inputs(plans[k].tasks[("update_actor", None)]) for k in (1, 2, 8)] == [2, 4, 16]
-    samples = [(256.0, 0.5 + 0.05 * k, k) for k in (2, 4) for _ in range(3)]
-    line = fit_line(samples)
-    assert line.per_input_s == pytest.approx(0.05) and line.per_row_s * 256 == pytest.approx(0.5)
-    assert line.fit == "proportional" and line.seconds(256, 16) == pytest.approx(0.5 + 0.05 * 16)
-    # on a loaded machine the two groups overlap: no cost per part is read into the noise
-    noisy = [(256.0, sec, 2) for sec in (0.5, 0.9, 0.6)] + [(256.0, sec, 4) for sec in (0.7, 0.55, 1.0)]
-    assert fit_line(noisy).per_input_s == 0 and fit_line(noisy).per_row_s * 256 == pytest.approx(0.65)

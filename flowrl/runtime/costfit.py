@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from flowrl.runtime.costs import WARMUP, CostFile, NodeCost, Record, rank_rows, task_inputs, task_seconds
+from flowrl.runtime.costs import WARMUP, CostFile, NodeCost, Record, rank_rows, task_seconds
 from flowrl.runtime.plan import Plan
 from flowrl.runtime.pools import DRIVER
 from flowrl.runtime.simulate import seconds_per_step
@@ -86,63 +86,40 @@ def calibrate_overheads(runs: list[tuple[Plan, float]], costs: CostFile, cpus: f
     return best[1], best[2]
 
 
-def fit_line(samples: list[tuple[float, ...]]) -> NodeCost:
-    """``seconds = fixed + per_row × rows + per_input × inputs`` from ``(rows, seconds[, inputs])``
-    samples, every term non-negative, through the median seconds of each ``(rows, inputs)`` seen (a
-    shared machine's stalls make a few tasks several times slower: a median ignores them, a mean
-    follows them), weighted by how often each was seen. A term whose driver never varied is left to
-    the fixed cost; with one row count and nothing else varying, the line goes through the origin
-    (nothing tells fixed from per-row cost then)."""
+def fit_line(samples: list[tuple[float, float]]) -> NodeCost:
+    """``seconds = fixed + per_row × rows``, both non-negative, through the median seconds of each row
+    count seen (a shared machine's stalls make a few tasks several times slower: a median ignores
+    them, a mean follows them), weighted by how often each count was seen; through the origin when
+    one row count was seen (nothing tells fixed from per-row cost then)."""
     if not samples:
         return NodeCost(fit="fixed")
-    groups: dict[tuple[float, float], list[float]] = {}
-    for sample in samples:
-        groups.setdefault((float(sample[0]), float(sample[2]) if len(sample) > 2 else 0.0), []).append(sample[1])
-    keys = sorted(groups)
-    x = np.array(keys, dtype=float)  # columns: rows, inputs
-    y = np.array([statistics.median(groups[k]) for k in keys])
-    w = np.sqrt([len(groups[k]) for k in keys])
-    seen, n = sorted({k[0] for k in keys}), len(samples)
-    terms = [i for i in (0, 1) if len(set(x[:, i])) > 1]  # the drivers that varied
-    if 1 in terms and not _separated(groups):
-        terms.remove(1)  # the parts' effect is within the noise: two points would fit noise, not cost
-    if not terms:
-        if x[0, 0] > 0:  # one row count: through the origin
-            return NodeCost(per_row_s=float(y @ w ** 2 / (x[:, 0] @ w ** 2)), fit="proportional", rows_seen=seen,
+    by_rows: dict[float, list[float]] = {}
+    for r, sec in samples:
+        by_rows.setdefault(float(r), []).append(sec)
+    seen = sorted(by_rows)
+    rows = np.array(seen, dtype=float)
+    secs = np.array([statistics.median(by_rows[r]) for r in seen], dtype=float)
+    weight = np.sqrt(np.array([len(by_rows[r]) for r in seen], dtype=float))
+    n = len(samples)
+    if len(seen) >= 2:
+        a = np.stack([np.ones_like(rows), rows], axis=1) * weight[:, None]
+        (fixed, per_row), *_ = np.linalg.lstsq(a, secs * weight, rcond=None)
+        if fixed >= 0 and per_row >= 0:
+            return NodeCost(fixed_s=float(fixed), per_row_s=float(per_row), fit="affine", rows_seen=seen, samples=n)
+        if per_row < 0:  # time does not grow with rows: a constant
+            return NodeCost(fixed_s=float(statistics.median(s for _, s in samples)), fit="fixed", rows_seen=seen,
                             samples=n)
-        return NodeCost(fixed_s=float(y @ w ** 2 / (w @ w)), fit="fixed", rows_seen=seen, samples=n)
-    while True:
-        a = np.column_stack([np.ones(len(keys)), *(x[:, i] for i in terms)]) * w[:, None]
-        coef, *_ = np.linalg.lstsq(a, y * w, rcond=None)
-        worst = int(np.argmin(coef[1:])) if terms else -1
-        if not terms or coef[1 + worst] >= 0:
-            break
-        del terms[worst]  # time does not grow with it: leave it to the fixed cost
-    slope = dict(zip(terms, coef[1:]))
-    fixed = float(coef[0])
-    if fixed < 0:  # below the origin: the per-unit terms alone
-        fixed = 0.0
-    per_row, fit = float(slope.get(0, 0.0)), "affine"
-    if 0 not in slope:
-        if len(seen) == 1 and seen[0] > 0:  # one row count: its share of the fixed cost goes with the rows
-            per_row, fixed, fit = fixed / seen[0], 0.0, "proportional"
-        else:
-            fit = "fixed"
-    return NodeCost(fixed_s=fixed, per_row_s=per_row, per_input_s=float(slope.get(1, 0.0)), fit=fit, rows_seen=seen,
-                    samples=n)
+    if rows.sum() <= 0:
+        return NodeCost(fixed_s=float(statistics.median(s for _, s in samples)), fit="fixed", rows_seen=seen,
+                        samples=n)
+    w = weight ** 2
+    return NodeCost(per_row_s=float((w * rows) @ secs / ((w * rows) @ rows)), fit="proportional",
+                    rows_seen=seen, samples=n)
 
 
-def _separated(groups: dict[tuple[float, float], list[float]]) -> bool:
-    """Whether reading more parts took longer beyond doubt: at some row count, every task that read
-    more parts took longer than every task that read fewer (on a loaded machine two medians differ
-    by chance; whole samples seldom)."""
-    pairs = [(a, b) for a in groups for b in groups if a[0] == b[0] and a[1] < b[1]]
-    return bool(pairs) and all(min(groups[b]) > max(groups[a]) for a, b in pairs)
-
-
-def residuals(node: NodeCost, samples: list[tuple[float, ...]]) -> float:
+def residuals(node: NodeCost, samples: list[tuple[float, float]]) -> float:
     """How far the fitted line is from what was measured: the median of ``|predicted / measured - 1|``."""
-    errs = [abs(node.seconds(s[0], *s[2:]) / s[1] - 1) for s in samples if s[1] > 0]
+    errs = [abs(node.seconds(r) / sec - 1) for r, sec in samples if sec > 0]
     return statistics.median(errs) if errs else 0.0
 
 
@@ -170,33 +147,33 @@ def solo_seconds(plan: Plan, records: list[Record], cpus: float | None) -> list[
 
 
 def node_samples(plan: Plan, records: list[Record], skip_steps: int = WARMUP,
-                 cpus: float | None = None) -> dict[str, list[tuple[float, float, int]]]:
-    """``(rows on the rank, seconds, inputs read)`` per node from a run of ``plan`` (its first ``skip_steps`` warm up);
+                 cpus: float | None = None) -> dict[str, list[tuple[float, float]]]:
+    """``(rows on the rank, seconds)`` per node from a run of ``plan`` (its first ``skip_steps`` warm up);
     with ``cpus``, the seconds each task would have taken with a core of its own (:func:`solo_seconds`)."""
-    out: dict[str, list[tuple[float, float, int]]] = {}
+    out: dict[str, list[tuple[float, float]]] = {}
     first = min((r.step for r in records), default=0)
     for r, sec in zip(records, solo_seconds(plan, records, cpus)):
         task = plan.tasks.get((r.node, r.mb))
         if task is None or r.step < first + skip_steps:
             continue
-        out.setdefault(r.node, []).append((rank_rows(plan, task), sec, task_inputs(task)))
+        out.setdefault(r.node, []).append((rank_rows(plan, task), sec))
     return out
 
 
-def metric_samples(plan: Plan, rows: list[dict[str, Any]], skip_steps: int = WARMUP) -> dict[str, list[tuple]]:
+def metric_samples(plan: Plan, rows: list[dict[str, Any]], skip_steps: int = WARMUP) -> dict[str, list[tuple[float, float]]]:
     """The same from ``metrics.jsonl``: ``timing/<node>`` is the sum of its tasks' (slowest-rank) seconds."""
-    out: dict[str, list[tuple[float, float, int]]] = {}
+    out: dict[str, list[tuple[float, float]]] = {}
     for row in rows[skip_steps:]:
         for node in plan.graph.nodes:
             if f"timing/{node}" not in row:
                 continue
             tasks = plan.node_tasks(node)
             per_task = row[f"timing/{node}"] / len(tasks)
-            out.setdefault(node, []).extend((rank_rows(plan, t), per_task, task_inputs(t)) for t in tasks)
+            out.setdefault(node, []).extend((rank_rows(plan, t), per_task) for t in tasks)
     return out
 
 
-def world_factors(nodes: dict[str, NodeCost], plan: Plan, samples: dict[str, list[tuple]],
+def world_factors(nodes: dict[str, NodeCost], plan: Plan, samples: dict[str, list[tuple[float, float]]],
                   base: dict[str, int]) -> None:
     """Record on ``nodes`` how much slower (or faster) than their lines the nodes ran in ``plan``, for the
     nodes whose pool has another worker count than in the profiled ``base`` (node → workers)."""
@@ -204,8 +181,7 @@ def world_factors(nodes: dict[str, NodeCost], plan: Plan, samples: dict[str, lis
         world = plan.node_tasks(node)[0].world
         if world == base.get(node, world) or node not in nodes:
             continue
-        line = nodes[node]
-        ratios = [x[1] / line.seconds(x[0], *x[2:]) for x in xs if line.seconds(x[0], *x[2:]) > 0]
+        ratios = [s / nodes[node].seconds(r) for r, s in xs if nodes[node].seconds(r) > 0]
         if ratios:
             nodes[node].world_factor[world] = statistics.median(ratios)
 

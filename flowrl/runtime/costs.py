@@ -3,8 +3,7 @@
 A cost file is fitted (:mod:`flowrl.runtime.costfit`) from a run's task records
 (the per-task timings of a Chrome trace, or the per-node ``timing/<node>`` of
 its ``metrics.jsonl``). A task's seconds on one rank, alone on a core, are
-``fixed_s + per_row_s × rows + per_input_s × inputs`` where ``inputs`` counts
-the parts it reads and ``rows`` is what that rank runs: the task's rows in its node's row space (samples, not
+``fixed_s + per_row_s × rows`` where ``rows`` is what that rank runs: the task's rows in its node's row space (samples, not
 prompts, after ``n``), divided over the ranks its dispatch mode splits them
 across. Real tokens per row are fixed by the graph (its ``max_new_tokens``,
 its data), which the search never changes, so rows carry them. A weight sync
@@ -56,22 +55,19 @@ class _Strict(BaseModel):
 
 
 class NodeCost(_Strict):
-    """Seconds of one task on one rank: ``fixed_s + per_row_s × rows + per_input_s × inputs``, where
-    ``inputs`` counts the parts it reads (a batch-wide update after streamed micro-batches reads one
-    per micro-batch of each input, fetched and joined before it runs)."""
+    """Seconds of one task on one rank: ``fixed_s + per_row_s × rows``."""
 
     fixed_s: float = Field(0.0, ge=0)
     per_row_s: float = Field(0.0, ge=0)
-    per_input_s: float = Field(0.0, ge=0)
-    fit: Literal["affine", "proportional", "fixed"] = "affine"  # how rows drive it
+    fit: Literal["affine", "proportional", "fixed"] = "affine"
     rows_seen: list[float] = Field(default_factory=list)  # the distinct row counts it was fitted on
     samples: int = Field(0, ge=0)
     residual: float = Field(0.0, ge=0)  # median |fitted / measured - 1| over its samples
     #: measured on a pool of N workers: seconds are this many times the line's (shared cores, collectives)
     world_factor: dict[int, float] = Field(default_factory=dict)
 
-    def seconds(self, rows: float, inputs: float = 0.0) -> float:
-        return self.fixed_s + self.per_row_s * rows + self.per_input_s * inputs
+    def seconds(self, rows: float) -> float:
+        return self.fixed_s + self.per_row_s * rows
 
 
 class Transfer(_Strict):
@@ -168,11 +164,6 @@ def rank_rows(plan: Plan, task: Task) -> float:
     return (hi - lo) / len(task.ranks) if splits else float(hi - lo)
 
 
-def task_inputs(task: Task) -> int:
-    """The parts a task reads: one per producing task of each input it takes."""
-    return sum(len(r.srcs) for r in task.reads)
-
-
 @dataclass(frozen=True)
 class Record:
     """One task on one rank, as a run recorded it."""
@@ -212,7 +203,7 @@ def task_seconds(plan: Plan, costs: CostFile) -> dict[TaskKey, float]:
     out: dict[TaskKey, float] = {}
     for key, task in plan.tasks.items():
         node = costs.nodes[task.node]
-        s = node.seconds(rank_rows(plan, task), task_inputs(task))
+        s = node.seconds(rank_rows(plan, task))
         if task.world in node.world_factor:  # measured on this many workers: collectives included
             s *= node.world_factor[task.world]
         elif task.updates is not None and task.gather > 1 and task.dispatch != "all":
@@ -273,4 +264,4 @@ def _owner(spec: Any, role: str | None) -> str:
 
 __all__ = ["COST_FILE", "COST_VERSION", "WARMUP", "CostFile", "CostFileError", "GIB", "NodeCost", "Record",
            "RoleMemory", "Transfer", "device_memory", "graph_key", "load_costs", "records_of", "rank_rows",
-           "save_costs", "task_inputs", "task_records", "task_seconds"]
+           "save_costs", "task_records", "task_seconds"]
