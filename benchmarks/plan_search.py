@@ -171,7 +171,11 @@ def refit(graph: str, base: dict, where: Path, backend: str) -> Path:
         runs.append((plan, records, rows))
     old = json.loads((where / COST_FILE).read_text())
     g = load_graph(graph, overrides={**QUIET, **base})
-    costs = fit_runs(runs, g, str(where / "profile"), Transfer.model_validate(old["transfer"]))
+    def shape(plan: Any) -> tuple:
+        return plan.micro_batches, sorted((p.name, p.workers) for p in plan.pools)
+
+    repeated = len(runs) > 2 and shape(runs[-1][0]) == shape(runs[0][0])  # profiled with the drift run
+    costs = fit_runs(runs, g, str(where / "profile"), Transfer.model_validate(old["transfer"]), drift=repeated)
     return save_costs(costs, where / f"refit_{COST_FILE}")
 
 

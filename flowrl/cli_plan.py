@@ -100,41 +100,56 @@ def measure_transfer(sizes: tuple[int, ...] = (1 << 18, 1 << 21, 1 << 23)) -> Tr
 
 
 def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph: Graph, source: str,
-             transfer: Transfer, cpus: float | None = None) -> CostFile:
+             transfer: Transfer, cpus: float | None = None, drift: bool = False) -> CostFile:
     """A cost file from one or more runs of ``graph`` (each: its plan, task records, metric rows) on a
     machine of ``cpus`` cores (default: this one's). The runs with the first run's worker counts fit
     each node's line on the seconds its tasks would have taken with a core each; runs on other worker
     counts give each node's factor against its line there (:func:`~flowrl.runtime.costfit.world_factors`);
-    then the per-task latency and per-step overhead the runs' step intervals hold beyond their tasks."""
+    then the per-task latency and per-step overhead the runs' step intervals hold beyond their tasks.
+
+    ``drift``: the last run repeats the first, so how much slower (or faster) the machine got while
+    profiling is measured; each run's seconds are divided by that drift, taken as growing evenly from
+    the first run to the last (on a shared machine the neighbours' load moves between runs, and the
+    runs' differences would otherwise be read as the costs of what they vary)."""
     cpus = float(cpus or os.cpu_count() or 1)
+
+    def interval(records: list[Record], rows: list[dict[str, Any]]) -> float:
+        return median_or_zero(step_intervals(records)) if records else median_or_zero(
+            [r.get("timing/interval", r.get("timing/step", 0.0)) for r in rows[WARMUP:]])
+
+    first, last = interval(*runs[0][1:]), interval(*runs[-1][1:])
+    ratio = last / first if drift and len(runs) > 1 and first > 0 and last > 0 else 1.0
+    slow = [1 + (ratio - 1) * i / max(1, len(runs) - 1) for i in range(len(runs))]
 
     def workers(plan: Plan) -> dict[str, int]:
         return {n: plan.node_tasks(n)[0].world for n in plan.graph.nodes}
 
-    def samples_of(plan: Plan, records: list[Record], rows: list[dict[str, Any]]) -> dict[str, list]:
-        return node_samples(plan, records, cpus=cores_for(plan, cpus)) if records else metric_samples(plan, rows)
+    def samples_of(i: int) -> dict[str, list]:
+        plan, records, rows = runs[i]
+        xs = node_samples(plan, records, cpus=cores_for(plan, cpus)) if records else metric_samples(plan, rows)
+        return {node: [(r, sec / slow[i]) for r, sec in v] for node, v in xs.items()}
 
     base = workers(runs[0][0])
     samples: dict[str, list[tuple]] = {}
-    for plan, records, rows in runs:
+    for i, (plan, _, _) in enumerate(runs):
         if workers(plan) == base:
-            for node, xs in samples_of(plan, records, rows).items():
+            for node, xs in samples_of(i).items():
                 samples.setdefault(node, []).extend(xs)
     nodes = {n: fit_line(samples[n]) if n in samples else NodeCost(fit="fixed") for n in graph.nodes}
     for n, line in nodes.items():
         line.residual = residuals(line, samples.get(n, []))
-    for plan, records, rows in runs:
+    for i, (plan, _, _) in enumerate(runs):
         if workers(plan) != base:
-            world_factors(nodes, plan, samples_of(plan, records, rows), base)
+            world_factors(nodes, plan, samples_of(i), base)
     lengths = [r["response_length/max"] for _, _, rows in runs for r in rows if "response_length/max" in r]
     pools = [{p: c.workers for p, c in plan.graph.config.pools.items()} for plan, _, _ in runs]
     costs = CostFile(graph=graph.name, key=graph_key(graph), source=source, nodes=nodes, transfer=transfer,
                      roles=role_memory(graph), tokens_per_row=max(lengths, default=0.0),
                      measured_with={"workers": pools[0], "runs": [{"workers": w, "micro_batches": plan.micro_batches}
                                                                   for w, (plan, _, _) in zip(pools, runs)],
-                                    "cpus": cpus, "steps": max((len(rows) for *_, rows in runs), default=0)})
-    measured = [(plan, median_or_zero(step_intervals(records)) if records else median_or_zero(
-        [r.get("timing/interval", r.get("timing/step", 0.0)) for r in rows[WARMUP:]])) for plan, records, rows in runs]
+                                    "cpus": cpus, "steps": max((len(rows) for *_, rows in runs), default=0),
+                                    "drift": ratio})
+    measured = [(plan, interval(records, rows) / slow[i]) for i, (plan, records, rows) in enumerate(runs)]
     latency, overhead = calibrate_overheads(measured, costs, cores_for(runs[0][0], cpus))
     return costs.model_copy(update={"task_latency_s": latency, "step_overhead_s": overhead})
 
@@ -144,8 +159,10 @@ def fit_report(costs: CostFile) -> list[str]:
     out = [f"{n}: {c.fixed_s * 1e3:.1f} ms + {c.per_row_s * 1e3:.3f} ms/row ({c.fit}, {c.samples} tasks, median "
            f"residual {c.residual:.0%})" + "".join(f", ×{f:.2f} on {w} workers" for w, f in c.world_factor.items())
            for n, c in costs.nodes.items()]
+    drift = costs.measured_with.get("drift", 1.0)
     return out + [f"task latency {costs.task_latency_s * 1e3:.1f} ms, driver work per step "
-                  f"{costs.step_overhead_s * 1e3:.1f} ms"]
+                  f"{costs.step_overhead_s * 1e3:.1f} ms; the machine ran {drift:.2f}x as slow at the end of "
+                  f"profiling as at its start (each run's seconds divided by its share of that)"]
 
 
 def read_run(run_dir: Path, traits: Any, warn: Callable[[str], None]) -> tuple[Graph, Plan, list[Record], list[dict]]:
@@ -185,6 +202,8 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
             # twice the workers, where this machine has the cores: data parallelism measured, not assumed
             variants.append({"schedule.micro_batches": k, **{f"pools.{n}.workers": 2 * p.workers
                                                              for n, p in pools.items()}})
+        if len(variants) > 1:  # the first again: how far the machine's speed drifted while profiling
+            variants.append(dict(variants[0]))
         home = Path(out or graph.config.trainer.out or f"runs/{graph.name}")
         target = home / "profile"
         runs = []
@@ -197,7 +216,7 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
                               overwrite=True, say=say, history_limit=steps)
             history = trainer.run()
             runs.append((trainer.runtime.plan, records_of(trainer.runtime.timeline.records), history))
-        costs = fit_runs(runs, graph, str(target), measure_transfer())
+        costs = fit_runs(runs, graph, str(target), measure_transfer(), drift=len(variants) > 1)
         for line in fit_report(costs):
             say(line)
         return save_costs(costs, home / COST_FILE)

@@ -22,15 +22,15 @@ TRUTH = {"generate": (0.05, 0.002), "reward": (0.01, 0.0001), "advantage": (0.00
          "update_actor": (0.1, 0.004)}
 
 
-def records(plan, steps: int = 4, slower: float = 1.0) -> list[Record]:
+def records(plan, steps: int = 4, slower: float = 1.0, slower_all: float = 1.0) -> list[Record]:
     """What a run of ``plan`` would record if every task took exactly the synthetic truth
-    (``slower`` times it on a pool of more than one worker)."""
+    (``slower`` times it on a pool of more than one worker, ``slower_all`` times it everywhere)."""
     out, t = [], 0.0
     for step in range(steps):
         for key in plan.order:
             task = plan.tasks[key]
             fixed, per_row = TRUTH[task.node]
-            d = (fixed + per_row * rank_rows(plan, task)) * (slower if task.world > 1 else 1.0)
+            d = (fixed + per_row * rank_rows(plan, task)) * (slower if task.world > 1 else 1.0) * slower_all
             for rank in task.ranks:
                 out.append(Record(task.node, task.mb, step, rank, t, t + d))
             t += d
@@ -213,3 +213,18 @@ def test_the_live_view_shows_predicted_against_measured_step_and_critical_path()
                       "scheduler/critical_path": 0.9, "plan/predicted_critical_path_s": 0.75})
     assert "1.2 s/step measured, 1 predicted (+20%)" in text
     assert "critical path 0.9 s measured, 0.75 predicted (+20%)" in text
+
+
+def test_a_machine_that_slows_while_profiling_is_measured_by_the_repeated_first_run_and_divided_out():
+    g = load_graph("grpo")
+    plans = [make_plan(load_graph("grpo", overrides={"schedule.micro_batches": k})) for k in (1, 2, 1)]
+    # the neighbours' load grows evenly: the second run 1.25x as slow, the third (the first again) 1.5x
+    runs = [(p, records(p, steps=6, slower_all=f), []) for p, f in zip(plans, (1.0, 1.25, 1.5))]
+    costs = fit_runs(runs, g, "synthetic", Transfer(), drift=True)
+    assert costs.measured_with["drift"] == pytest.approx(1.5)
+    for node in ("generate", "update_actor"):
+        fixed, per_row = TRUTH[node]
+        assert costs.nodes[node].seconds(256) == pytest.approx(fixed + per_row * 256, rel=1e-6)
+    skewed = fit_runs(runs, g, "synthetic", Transfer())  # read as costs, the drift bends the lines
+    assert skewed.nodes["generate"].seconds(256) != pytest.approx(TRUTH["generate"][0] + TRUTH["generate"][1] * 256,
+                                                                  rel=1e-3)
