@@ -178,6 +178,25 @@ def read_run(run_dir: Path, traits: Any, warn: Callable[[str], None]) -> tuple[G
     return graph, make_plan(graph, traits), records, rows
 
 
+def wider_variant(graph: Graph, ref: str, base: dict[str, Any]) -> dict[str, Any] | None:
+    """Overrides that run every node on more workers than the graph has, within this machine's cores, so
+    data parallelism is measured rather than assumed: twice every pool's workers where the cores allow;
+    else every role in one pool of as many workers as the cores allow (where the checker takes it)."""
+    pools, cores = graph.config.pools, os.cpu_count() or 1
+    if sum(2 * p.workers * p.cpus for p in pools.values()) <= cores:
+        return {f"pools.{n}.workers": 2 * p.workers for n, p in pools.items()}
+    first, spec = next(iter(pools.items()))
+    workers = int(cores // max(spec.cpus, 1e-9))
+    if workers <= max(p.workers for p in pools.values()):
+        return None
+    section = {first: {**spec.model_dump(), "roles": [r for p in pools.values() for r in p.roles], "workers": workers}}
+    try:
+        ok = load_graph(ref, overrides={**base, "pools": section}).check().ok
+    except GraphError:
+        ok = False
+    return {"pools": section} if ok else None
+
+
 def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, Any], backend: str,
                     say: Callable[[str], None], err: Console) -> Path:
     """``flowrl profile``: fit (and, for a graph, first measure) a cost file; returns its path."""
@@ -197,11 +216,9 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
         variants: list[dict[str, Any]] = [{"schedule.micro_batches": k}]
         if 2 * k <= graph.config.data.batch_size:
             variants.append({"schedule.micro_batches": 2 * k})
-        pools = graph.config.pools
-        if sum(2 * p.workers * p.cpus for p in pools.values()) <= (os.cpu_count() or 1):
-            # twice the workers, where this machine has the cores: data parallelism measured, not assumed
-            variants.append({"schedule.micro_batches": k, **{f"pools.{n}.workers": 2 * p.workers
-                                                             for n, p in pools.items()}})
+        wider = wider_variant(graph, ref, base)
+        if wider is not None:
+            variants.append({"schedule.micro_batches": k, **wider})
         if len(variants) > 1:  # the first again: how far the machine's speed drifted while profiling
             variants.append(dict(variants[0]))
         home = Path(out or graph.config.trainer.out or f"runs/{graph.name}")
@@ -289,5 +306,5 @@ def print_search(result: SearchResult, console: Console, top: int) -> None:
             console.print(f"  - {escape(a)}")
 
 
-__all__ = ["CommandError", "fit_report", "fit_runs", "profile_command", "read_run", "role_memory",
+__all__ = ["CommandError", "fit_report", "fit_runs", "wider_variant", "profile_command", "read_run", "role_memory",
            "search_command"]

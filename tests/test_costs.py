@@ -228,3 +228,17 @@ def test_a_machine_that_slows_while_profiling_is_measured_by_the_repeated_first_
     skewed = fit_runs(runs, g, "synthetic", Transfer())  # read as costs, the drift bends the lines
     assert skewed.nodes["generate"].seconds(256) != pytest.approx(TRUTH["generate"][0] + TRUTH["generate"][1] * 256,
                                                                   rel=1e-3)
+
+
+def test_the_profile_widens_every_pool_within_the_cores_or_puts_every_role_on_one_wider_pool(monkeypatch):
+    from flowrl import cli_plan
+
+    monkeypatch.setattr(cli_plan.os, "cpu_count", lambda: 2)
+    assert cli_plan.wider_variant(load_graph("grpo"), "grpo", {}) == {"pools.train.workers": 2}
+    # two pools of one worker: twice each would need 4 cores; both roles on one pool of 2 fit
+    wider = cli_plan.wider_variant(load_graph("grpo_async"), "grpo_async", {})
+    (pool,) = wider["pools"].values()
+    assert sorted(pool["roles"]) == ["actor", "rollout"] and pool["workers"] == 2
+    assert load_graph("grpo_async", overrides=wider).check().ok
+    monkeypatch.setattr(cli_plan.os, "cpu_count", lambda: 1)
+    assert cli_plan.wider_variant(load_graph("grpo"), "grpo", {}) is None
