@@ -108,7 +108,11 @@ def shipped_index(graph: Any, ranked: list[Outcome]) -> int:
 def chosen(n: int, k: int, shipped: int) -> list[int]:
     """The configurations to run: ``k`` spread over the ranking, the shipped one always among them."""
     picks = spread(n, k)
-    return picks if shipped < 0 or shipped in picks else sorted({*spread(n, k - 1), shipped})
+    if shipped < 0 or shipped in picks:
+        return picks
+    inner = [i for i in picks if 0 < i < n - 1] or picks  # the picked one and the slowest stay
+    picks[picks.index(min(inner, key=lambda i: abs(i - shipped)))] = shipped
+    return sorted(picks)
 
 
 def probe() -> float:
