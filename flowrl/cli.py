@@ -228,7 +228,7 @@ def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
 @app.command()
 def profile(
     graph: str = typer.Argument(..., help="a graph to run briefly, or a run directory to fit from"),
-    steps: int = typer.Option(4, "--steps", min=2, help="steps per profiling run (the first warms up)"),
+    steps: int = typer.Option(6, "--steps", min=3, help="steps per profiling run (the first two warm up)"),
     out: Optional[str] = typer.Option(None, "--out", help="run directory (default: trainer.out)"),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
     backend: str = typer.Option("ray", "--backend", help="a registered backend: ray (default) or local"),

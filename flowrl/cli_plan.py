@@ -30,15 +30,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from flowrl.graph import Graph, GraphError, load_graph
-from flowrl.runtime.costs import (COST_FILE, GIB, CostFile, CostFileError, NodeCost, Record, RoleMemory,
-                                  Transfer, calibrate_latency, fit_line, graph_key, load_costs, median_or_zero,
-                                  metric_samples, node_samples, records_of, save_costs, step_intervals,
-                                  task_records, world_factors)
+from flowrl.runtime.costfit import (calibrate_overheads, cores_for, fit_line, median_or_zero, metric_samples,
+                                    node_samples, residuals, step_intervals, world_factors)
+from flowrl.runtime.costs import (COST_FILE, GIB, WARMUP, CostFile, CostFileError, NodeCost, Record, RoleMemory,
+                                  Transfer, graph_key, load_costs, records_of, save_costs, task_records)
 from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.plan import Plan, PlanError, make_plan
-from flowrl.runtime.search import (ASSUMPTIONS, SIM_STEPS, Budget, SearchError, SearchResult, describe, search,
-                                   why)
-from flowrl.runtime.simulate import seconds_per_step
+from flowrl.runtime.search import ASSUMPTIONS, Budget, SearchError, SearchResult, describe, search, why
 from flowrl.runtime.sinks import MetricsFileError, read_metrics
 from flowrl.runtime.trainer import Trainer
 from flowrl.runtime.traits import traits_of
@@ -59,11 +57,6 @@ def fail(err: Console, message: str) -> NoReturn:
 
 
 # ---------------------------------------------------------------- profile
-def predict_step(plan: Plan, seconds: dict[Any, float]) -> float:
-    """Predicted seconds per step with steps back to back (the search's measure)."""
-    return seconds_per_step(plan, seconds, SIM_STEPS)[0]
-
-
 def role_memory(graph: Graph) -> dict[str, RoleMemory]:
     """Each role's memory from its model's config: weights, optimizer, activations and KV per token."""
     cfg, out = graph.config, {}
@@ -107,40 +100,69 @@ def measure_transfer(sizes: tuple[int, ...] = (1 << 18, 1 << 21, 1 << 23)) -> Tr
 
 
 def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph: Graph, source: str,
-             transfer: Transfer) -> CostFile:
-    """A cost file from one or more runs of ``graph`` (each: its plan, task records, metric rows). The
-    runs with the first run's worker counts fit each node's line; runs on other worker counts give
-    each node's factor against its line there (:func:`~flowrl.runtime.costs.world_factors`)."""
+             transfer: Transfer, cpus: float | None = None, drift: bool = False) -> CostFile:
+    """A cost file from one or more runs of ``graph`` (each: its plan, task records, metric rows) on a
+    machine of ``cpus`` cores (default: this one's). The runs with the first run's worker counts fit
+    each node's line on the seconds its tasks would have taken with a core each; runs on other worker
+    counts give each node's factor against its line there (:func:`~flowrl.runtime.costfit.world_factors`);
+    then the per-task latency and per-step overhead the runs' step intervals hold beyond their tasks.
+
+    ``drift``: the last run repeats the first, so how much slower (or faster) the machine got while
+    profiling is measured; each run's seconds are divided by that drift, taken as growing evenly from
+    the first run to the last (on a shared machine the neighbours' load moves between runs, and the
+    runs' differences would otherwise be read as the costs of what they vary)."""
+    cpus = float(cpus or os.cpu_count() or 1)
+
+    def interval(records: list[Record], rows: list[dict[str, Any]]) -> float:
+        return median_or_zero(step_intervals(records)) if records else median_or_zero(
+            [r.get("timing/interval", r.get("timing/step", 0.0)) for r in rows[WARMUP:]])
+
+    first, last = interval(*runs[0][1:]), interval(*runs[-1][1:])
+    ratio = last / first if drift and len(runs) > 1 and first > 0 and last > 0 else 1.0
+    slow = [1 + (ratio - 1) * i / max(1, len(runs) - 1) for i in range(len(runs))]
+
     def workers(plan: Plan) -> dict[str, int]:
         return {n: plan.node_tasks(n)[0].world for n in plan.graph.nodes}
 
-    def samples_of(plan: Plan, records: list[Record], rows: list[dict[str, Any]]) -> dict[str, list]:
-        return node_samples(plan, records) if records else metric_samples(plan, rows)
+    def samples_of(i: int) -> dict[str, list]:
+        plan, records, rows = runs[i]
+        xs = node_samples(plan, records, cpus=cores_for(plan, cpus)) if records else metric_samples(plan, rows)
+        return {node: [(r, sec / slow[i]) for r, sec in v] for node, v in xs.items()}
 
     base = workers(runs[0][0])
-    samples: dict[str, list[tuple[float, float]]] = {}
-    for plan, records, rows in runs:
+    samples: dict[str, list[tuple]] = {}
+    for i, (plan, _, _) in enumerate(runs):
         if workers(plan) == base:
-            for node, xs in samples_of(plan, records, rows).items():
+            for node, xs in samples_of(i).items():
                 samples.setdefault(node, []).extend(xs)
     nodes = {n: fit_line(samples[n]) if n in samples else NodeCost(fit="fixed") for n in graph.nodes}
-    for plan, records, rows in runs:
+    for n, line in nodes.items():
+        line.residual = residuals(line, samples.get(n, []))
+    for i, (plan, _, _) in enumerate(runs):
         if workers(plan) != base:
-            world_factors(nodes, plan, samples_of(plan, records, rows), base)
+            world_factors(nodes, plan, samples_of(i), base)
     lengths = [r["response_length/max"] for _, _, rows in runs for r in rows if "response_length/max" in r]
     pools = [{p: c.workers for p, c in plan.graph.config.pools.items()} for plan, _, _ in runs]
     costs = CostFile(graph=graph.name, key=graph_key(graph), source=source, nodes=nodes, transfer=transfer,
                      roles=role_memory(graph), tokens_per_row=max(lengths, default=0.0),
                      measured_with={"workers": pools[0], "runs": [{"workers": w, "micro_batches": plan.micro_batches}
                                                                   for w, (plan, _, _) in zip(pools, runs)],
-                                    "cpus": os.cpu_count(), "steps": max((len(rows) for *_, rows in runs), default=0)})
-    latencies = []
-    for plan, records, rows in runs:
-        measured = median_or_zero(step_intervals(records)) if records else median_or_zero(
-            [r.get("timing/interval", r.get("timing/step", 0.0)) for r in rows[1:]])
-        if measured > 0:
-            latencies.append(calibrate_latency(plan, costs, measured, predict_step))
-    return costs.model_copy(update={"task_latency_s": median_or_zero(latencies)})
+                                    "cpus": cpus, "steps": max((len(rows) for *_, rows in runs), default=0),
+                                    "drift": ratio})
+    measured = [(plan, interval(records, rows) / slow[i]) for i, (plan, records, rows) in enumerate(runs)]
+    latency, overhead = calibrate_overheads(measured, costs, cores_for(runs[0][0], cpus))
+    return costs.model_copy(update={"task_latency_s": latency, "step_overhead_s": overhead})
+
+
+def fit_report(costs: CostFile) -> list[str]:
+    """What a profile fitted, a line per node (its line, how far from its samples) and the overheads."""
+    out = [f"{n}: {c.fixed_s * 1e3:.1f} ms + {c.per_row_s * 1e3:.3f} ms/row ({c.fit}, {c.samples} tasks, median "
+           f"residual {c.residual:.0%})" + "".join(f", ×{f:.2f} on {w} workers" for w, f in c.world_factor.items())
+           for n, c in costs.nodes.items()]
+    drift = costs.measured_with.get("drift", 1.0)
+    return out + [f"task latency {costs.task_latency_s * 1e3:.1f} ms, driver work per step "
+                  f"{costs.step_overhead_s * 1e3:.1f} ms; the machine ran {drift:.2f}x as slow at the end of "
+                  f"profiling as at its start (each run's seconds divided by its share of that)"]
 
 
 def read_run(run_dir: Path, traits: Any, warn: Callable[[str], None]) -> tuple[Graph, Plan, list[Record], list[dict]]:
@@ -156,6 +178,25 @@ def read_run(run_dir: Path, traits: Any, warn: Callable[[str], None]) -> tuple[G
     return graph, make_plan(graph, traits), records, rows
 
 
+def wider_variant(graph: Graph, ref: str, base: dict[str, Any]) -> dict[str, Any] | None:
+    """Overrides that run every node on more workers than the graph has, within this machine's cores, so
+    data parallelism is measured rather than assumed: twice every pool's workers where the cores allow;
+    else every role in one pool of as many workers as the cores allow (where the checker takes it)."""
+    pools, cores = graph.config.pools, os.cpu_count() or 1
+    if sum(2 * p.workers * p.cpus for p in pools.values()) <= cores:
+        return {f"pools.{n}.workers": 2 * p.workers for n, p in pools.items()}
+    first, spec = next(iter(pools.items()))
+    workers = int(cores // max(spec.cpus, 1e-9))
+    if workers <= max(p.workers for p in pools.values()):
+        return None
+    section = {first: {**spec.model_dump(), "roles": [r for p in pools.values() for r in p.roles], "workers": workers}}
+    try:
+        ok = load_graph(ref, overrides={**base, "pools": section}).check().ok
+    except GraphError:
+        ok = False
+    return {"pools": section} if ok else None
+
+
 def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, Any], backend: str,
                     say: Callable[[str], None], err: Console) -> Path:
     """``flowrl profile``: fit (and, for a graph, first measure) a cost file; returns its path."""
@@ -164,6 +205,8 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
         if Path(ref).is_dir():
             graph, plan, records, rows = read_run(Path(ref), traits, say)
             costs = fit_runs([(plan, records, rows)], graph, str(ref), measure_transfer())
+            for line in fit_report(costs):
+                say(line)
             return save_costs(costs, Path(ref) / COST_FILE)
         base = {"trainer.val_every": 0, "trainer.checkpoint_every": 0, **overrides}
         graph = load_graph(ref, overrides=base)
@@ -173,11 +216,11 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
         variants: list[dict[str, Any]] = [{"schedule.micro_batches": k}]
         if 2 * k <= graph.config.data.batch_size:
             variants.append({"schedule.micro_batches": 2 * k})
-        pools = graph.config.pools
-        if sum(2 * p.workers * p.cpus for p in pools.values()) <= (os.cpu_count() or 1):
-            # twice the workers, where this machine has the cores: data parallelism measured, not assumed
-            variants.append({"schedule.micro_batches": k, **{f"pools.{n}.workers": 2 * p.workers
-                                                             for n, p in pools.items()}})
+        wider = wider_variant(graph, ref, base)
+        if wider is not None:
+            variants.append({"schedule.micro_batches": k, **wider})
+        if len(variants) > 1:  # the first again: how far the machine's speed drifted while profiling
+            variants.append(dict(variants[0]))
         home = Path(out or graph.config.trainer.out or f"runs/{graph.name}")
         target = home / "profile"
         runs = []
@@ -190,7 +233,9 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
                               overwrite=True, say=say, history_limit=steps)
             history = trainer.run()
             runs.append((trainer.runtime.plan, records_of(trainer.runtime.timeline.records), history))
-        costs = fit_runs(runs, graph, str(target), measure_transfer())
+        costs = fit_runs(runs, graph, str(target), measure_transfer(), drift=len(variants) > 1)
+        for line in fit_report(costs):
+            say(line)
         return save_costs(costs, home / COST_FILE)
     except (GraphError, PlanError, CommandError, MetricsFileError, RuntimeFailure, OSError) as e:
         msg = str(e.problems[0]) if isinstance(e, GraphError) and e.problems else str(e)
@@ -261,5 +306,5 @@ def print_search(result: SearchResult, console: Console, top: int) -> None:
             console.print(f"  - {escape(a)}")
 
 
-__all__ = ["CommandError", "fit_runs", "predict_step", "profile_command", "read_run", "role_memory",
+__all__ = ["CommandError", "fit_report", "fit_runs", "wider_variant", "profile_command", "read_run", "role_memory",
            "search_command"]

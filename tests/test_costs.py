@@ -9,10 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from flowrl.cli import app
-from flowrl.cli_plan import fit_runs, predict_step
+from flowrl.cli_plan import fit_runs
 from flowrl.graph import load_graph
-from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, fit_line,
-                                  graph_key, load_costs, rank_rows, save_costs, task_records, task_seconds)
+from flowrl.runtime.costfit import calibrate_overheads, fit_line, predict_step, solo_seconds
+from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, graph_key,
+                                  load_costs, rank_rows, save_costs, task_records, task_seconds)
 from flowrl.runtime.plan import make_plan
 from flowrl.runtime.plancheck import PlanCheck
 
@@ -21,15 +22,15 @@ TRUTH = {"generate": (0.05, 0.002), "reward": (0.01, 0.0001), "advantage": (0.00
          "update_actor": (0.1, 0.004)}
 
 
-def records(plan, steps: int = 4, slower: float = 1.0) -> list[Record]:
+def records(plan, steps: int = 4, slower: float = 1.0, slower_all: float = 1.0) -> list[Record]:
     """What a run of ``plan`` would record if every task took exactly the synthetic truth
-    (``slower`` times it on a pool of more than one worker)."""
+    (``slower`` times it on a pool of more than one worker, ``slower_all`` times it everywhere)."""
     out, t = [], 0.0
     for step in range(steps):
         for key in plan.order:
             task = plan.tasks[key]
             fixed, per_row = TRUTH[task.node]
-            d = (fixed + per_row * rank_rows(plan, task)) * (slower if task.world > 1 else 1.0)
+            d = (fixed + per_row * rank_rows(plan, task)) * (slower if task.world > 1 else 1.0) * slower_all
             for rank in task.ranks:
                 out.append(Record(task.node, task.mb, step, rank, t, t + d))
             t += d
@@ -60,7 +61,7 @@ def test_two_profiled_micro_batch_counts_recover_each_nodes_fixed_and_per_row_co
     assert costs.task_latency_s == pytest.approx(0.0, abs=1e-9)  # the records have no gaps to calibrate
     # the prediction of the profiled configuration is its measured step
     plan = runs[0][0]
-    assert predict_step(plan, task_seconds(plan, costs)) == pytest.approx(
+    assert predict_step(plan, costs, cpus=2)[0] == pytest.approx(
         sum(f + p * 256 for f, p in TRUTH.values()), rel=1e-6)
 
 
@@ -148,6 +149,7 @@ def test_every_step_logs_the_plans_prediction_and_warns_naming_the_node_that_dri
     predicted = 0.001 * 256 + 0.002 * 256
     ok = check.observe({"step": 1, "timing/step": predicted, "timing/generate": 0.256, "timing/update_actor": 0.512})
     assert ok["plan/predicted_step_s"] == pytest.approx(predicted) and ok["plan/error"] == pytest.approx(0.0)
+    assert ok["plan/predicted_critical_path_s"] == pytest.approx(predicted)  # one chain: the step is its path
     slow = {"step": 2, "timing/interval": predicted + 0.4, "timing/generate": 0.656, "timing/update_actor": 0.512}
     out = check.observe(slow)
     assert out["plan/error"] == pytest.approx(0.4 / predicted)
@@ -170,3 +172,73 @@ def test_profile_refuses_a_directory_that_is_not_a_run(tmp_path):
     res = CliRunner().invoke(app, ["profile", str(tmp_path)])
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert isinstance(res.exception, SystemExit)
+
+
+def test_a_line_goes_through_each_row_counts_median_so_a_stalled_task_does_not_move_it():
+    samples = [(r, 0.3 + 0.01 * r) for r in (8, 16) for _ in range(5)] + [(16, 4.0)]  # one task stalled 10×
+    line = fit_line(samples)
+    assert line.fixed_s == pytest.approx(0.3) and line.per_row_s == pytest.approx(0.01)
+
+
+def test_tasks_that_shared_the_cores_are_fitted_at_the_seconds_they_would_take_alone():
+    plan = make_plan(load_graph("grpo_async"))
+    # generate (gen pool) and the update (train pool) ran at once for 2 s on 1 core: 1 s of work each;
+    # reward and advantage (driver threads of one process) at once with them, then alone
+    recs = [Record("generate", None, 0, 0, 0.0, 2.0), Record("update_actor", None, 0, 0, 0.0, 2.0),
+            Record("reward", None, 0, 0, 2.0, 3.0), Record("advantage", None, 0, 0, 2.0, 3.0)]
+    assert solo_seconds(plan, recs, cpus=1) == pytest.approx([1.0, 1.0, 0.5, 0.5])
+    assert solo_seconds(plan, recs, cpus=2) == pytest.approx([2.0, 2.0, 0.5, 0.5])  # threads share their process
+    assert solo_seconds(plan, recs, cpus=None) == pytest.approx([2.0, 2.0, 1.0, 1.0])
+
+
+def test_calibration_tells_the_latency_of_a_task_from_the_drivers_work_per_step():
+    g = load_graph("grpo")
+    plans = [make_plan(load_graph("grpo", overrides={"schedule.micro_batches": k})) for k in (1, 2)]
+    costs = CostFile(graph=g.name, key=graph_key(g), nodes={n: NodeCost(fixed_s=0.05) for n in g.nodes})
+    truth = costs.model_copy(update={"task_latency_s": 0.01, "step_overhead_s": 0.06})
+    # one core: the driver's work per step takes it from the worker, every step pays it whole
+    runs = [(p, predict_step(p, truth, cpus=1)[0]) for p in plans]
+    latency, overhead = calibrate_overheads(runs, costs, cpus=1)
+    assert latency == pytest.approx(0.01, abs=2e-3) and overhead == pytest.approx(0.06, abs=5e-3)
+    for p, measured in runs:
+        fitted = costs.model_copy(update={"task_latency_s": latency, "step_overhead_s": overhead})
+        assert predict_step(p, fitted, cpus=1)[0] == pytest.approx(measured, rel=0.02)
+
+
+def test_the_live_view_shows_predicted_against_measured_step_and_critical_path():
+    from visualizer.live import plan_line
+
+    assert plan_line({"timing/step": 1.0}) is None  # no prediction: nothing to compare
+    text = plan_line({"timing/interval": 1.2, "timing/step": 1.0, "plan/predicted_step_s": 1.0,
+                      "scheduler/critical_path": 0.9, "plan/predicted_critical_path_s": 0.75})
+    assert "1.2 s/step measured, 1 predicted (+20%)" in text
+    assert "critical path 0.9 s measured, 0.75 predicted (+20%)" in text
+
+
+def test_a_machine_that_slows_while_profiling_is_measured_by_the_repeated_first_run_and_divided_out():
+    g = load_graph("grpo")
+    plans = [make_plan(load_graph("grpo", overrides={"schedule.micro_batches": k})) for k in (1, 2, 1)]
+    # the neighbours' load grows evenly: the second run 1.25x as slow, the third (the first again) 1.5x
+    runs = [(p, records(p, steps=6, slower_all=f), []) for p, f in zip(plans, (1.0, 1.25, 1.5))]
+    costs = fit_runs(runs, g, "synthetic", Transfer(), drift=True)
+    assert costs.measured_with["drift"] == pytest.approx(1.5)
+    for node in ("generate", "update_actor"):
+        fixed, per_row = TRUTH[node]
+        assert costs.nodes[node].seconds(256) == pytest.approx(fixed + per_row * 256, rel=1e-6)
+    skewed = fit_runs(runs, g, "synthetic", Transfer())  # read as costs, the drift bends the lines
+    assert skewed.nodes["generate"].seconds(256) != pytest.approx(TRUTH["generate"][0] + TRUTH["generate"][1] * 256,
+                                                                  rel=1e-3)
+
+
+def test_the_profile_widens_every_pool_within_the_cores_or_puts_every_role_on_one_wider_pool(monkeypatch):
+    from flowrl import cli_plan
+
+    monkeypatch.setattr(cli_plan.os, "cpu_count", lambda: 2)
+    assert cli_plan.wider_variant(load_graph("grpo"), "grpo", {}) == {"pools.train.workers": 2}
+    # two pools of one worker: twice each would need 4 cores; both roles on one pool of 2 fit
+    wider = cli_plan.wider_variant(load_graph("grpo_async"), "grpo_async", {})
+    (pool,) = wider["pools"].values()
+    assert sorted(pool["roles"]) == ["actor", "rollout"] and pool["workers"] == 2
+    assert load_graph("grpo_async", overrides=wider).check().ok
+    monkeypatch.setattr(cli_plan.os, "cpu_count", lambda: 1)
+    assert cli_plan.wider_variant(load_graph("grpo"), "grpo", {}) is None

@@ -150,3 +150,20 @@ def test_describe_names_pools_workers_and_schedule():
     best = search(g, builder("grpo_async"), costs, Budget(cpus=2, max_staleness=1)).best
     text = describe(best)
     assert "rollout ×1" in text and "actor ×1" in text and "staleness=1" in text
+
+
+def test_simulated_tasks_share_the_cores_they_are_given():
+    g = load_graph("grpo_async")  # staleness 1: generate and the update run at once on their two pools
+    plan = make_plan(g)
+    seconds = {k: (1.0 if t.node in ("generate", "update_actor") else 0.0) for k, t in plan.tasks.items()}
+    per_step = {}
+    for cpus in (None, 2, 1):
+        ends = simulate_steps(plan, seconds, 8, cpus=cpus)  # the last steps end sooner: nothing shares them
+        per_step[cpus] = [round(b - a, 6) for a, b in zip(ends[2:5], ends[3:6])]
+    assert per_step[None] == per_step[2] == [1.0] * 3
+    assert per_step[1] == [2.0] * 3  # two processes on one core: each at half speed
+    # two workers of one pool on one core: every task of the pool takes twice as long
+    two = make_plan(load_graph("grpo", overrides={"pools.train.workers": 2}))
+    ends = simulate_steps(two, {k: (1.0 if t.node == "update_actor" else 0.0) for k, t in two.tasks.items()}, 4,
+                          cpus=1)
+    assert round(ends[3] - ends[2], 6) == 2.0

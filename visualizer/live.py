@@ -66,6 +66,20 @@ def pool_busy(graph: Graph, row: dict[str, float], placement: dict[str, str] | N
     return {p: (b / step if step > 0 else 0.0) for p, b in busy.items()}
 
 
+def plan_line(row: dict[str, float]) -> str | None:
+    """Predicted against measured step time and critical path, when the run checks its plan
+    (``plan/predicted_step_s``, :mod:`flowrl.runtime.plancheck`); None otherwise."""
+    predicted = row.get("plan/predicted_step_s")
+    measured = row.get("timing/interval", row.get("timing/step"))
+    if predicted is None or measured is None:
+        return None
+    out = f"plan: {measured:.3g} s/step measured, {predicted:.3g} predicted ({measured / predicted - 1:+.0%})"
+    path, want = row.get("scheduler/critical_path"), row.get("plan/predicted_critical_path_s")
+    if path is not None and want:
+        out += f"; critical path {path:.3g} s measured, {want:.3g} predicted ({path / want - 1:+.0%})"
+    return out
+
+
 class LiveView:
     """Shows a run; feed it ``progress(step, states)`` and ``step(step, row)``."""
 
@@ -151,6 +165,8 @@ class LiveView:
     def line(self, done: int, row: dict[str, float]) -> str:
         """The plain-text form of a step: ``step 12/300  reward/mean 0.41  ...``."""
         parts = [f"step {done}/{self.total}"] + [f"{k} {row[k]:.4g}" for k in SHOWN if k in row]
+        if "plan/error" in row:
+            parts.append(f"plan/error {row['plan/error']:+.0%}")
         return "  ".join(parts)
 
     def render(self) -> RenderableType:
@@ -161,6 +177,9 @@ class LiveView:
                                 durations=self.durations or None, placement=self.placement or None))
         parts.append(self._metrics_table())
         parts.append(self._pools_line())
+        plan = plan_line(self.last_row)
+        if plan is not None:
+            parts.append(Text(plan))
         return Group(*parts)
 
     def _metrics_table(self) -> Table:

@@ -1,9 +1,9 @@
 """Measured costs: each node's seconds as a function of its rows, weight syncs per byte, memory per role.
 
-A cost file is fitted from a run's task records (the per-task timings of a
-Chrome trace, or the per-node ``timing/<node>`` of its ``metrics.jsonl``). A
-task's seconds on one rank are ``fixed_s + per_row_s × rows`` where ``rows`` is
-what that rank runs: the task's rows in its node's row space (samples, not
+A cost file is fitted (:mod:`flowrl.runtime.costfit`) from a run's task records
+(the per-task timings of a Chrome trace, or the per-node ``timing/<node>`` of
+its ``metrics.jsonl``). A task's seconds on one rank, alone on a core, are
+``fixed_s + per_row_s × rows`` where ``rows`` is what that rank runs: the task's rows in its node's row space (samples, not
 prompts, after ``n``), divided over the ranks its dispatch mode splits them
 across. Real tokens per row are fixed by the graph (its ``max_new_tokens``,
 its data), which the search never changes, so rows carry them. A weight sync
@@ -18,7 +18,7 @@ batch size and trainer keys may differ, which is what the search varies.
 
 Example::
 
-    costs = fit_costs(plan, task_records(trace), source="runs/grpo")
+    records = task_records(trace)            # fitted by flowrl profile (flowrl.runtime.costfit)
     save_costs(costs, Path("runs/grpo/costs.json"))
     costs = load_costs(Path("runs/grpo/costs.json"), graph)   # CostFileError if from another graph
     seconds = task_seconds(plan, costs)                         # task key → predicted seconds
@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from flowrl.graph import Graph
@@ -43,6 +41,9 @@ from flowrl.runtime.pools import DRIVER
 COST_VERSION = 1
 COST_FILE = "costs.json"
 GIB = 1024 ** 3
+#: steps left out of every fit and measure: a run's first two steps measure slower (allocations, Adam's
+#: state, caches filling; profiling grpo here, 2-3x the update's later seconds), the ones after are alike
+WARMUP = 2
 
 
 class CostFileError(ValueError):
@@ -61,6 +62,7 @@ class NodeCost(_Strict):
     fit: Literal["affine", "proportional", "fixed"] = "affine"
     rows_seen: list[float] = Field(default_factory=list)  # the distinct row counts it was fitted on
     samples: int = Field(0, ge=0)
+    residual: float = Field(0.0, ge=0)  # median |fitted / measured - 1| over its samples
     #: measured on a pool of N workers: seconds are this many times the line's (shared cores, collectives)
     world_factor: dict[int, float] = Field(default_factory=dict)
 
@@ -101,6 +103,7 @@ class CostFile(_Strict):
     source: str = ""  # the run directory they were fitted from
     nodes: dict[str, NodeCost]
     task_latency_s: float = Field(0.0, ge=0)  # per task: dispatch and moving its inputs (calibrated)
+    step_overhead_s: float = Field(0.0, ge=0)  # per step: the driver's work after it (calibrated)
     transfer: Transfer = Transfer()
     roles: dict[str, RoleMemory] = Field(default_factory=dict)
     tokens_per_row: float = Field(0.0, ge=0)  # prompt + response tokens of a sample, as measured
@@ -192,75 +195,6 @@ def records_of(infos: Iterable[Any]) -> list[Record]:
     return [Record(i.node, i.mb, i.step, i.rank, i.start, i.end) for i in infos if i.plan == "train"]
 
 
-def fit_line(samples: list[tuple[float, float]]) -> NodeCost:
-    """Least squares ``seconds = fixed + per_row × rows``, both non-negative; through the origin
-    when one row count was seen (nothing tells fixed from per-row cost then)."""
-    rows = np.array([r for r, _ in samples], dtype=float)
-    secs = np.array([s for _, s in samples], dtype=float)
-    seen = sorted({float(r) for r in rows})
-    if len(samples) == 0:
-        return NodeCost(fit="fixed")
-    if len(seen) >= 2:
-        a = np.stack([np.ones_like(rows), rows], axis=1)
-        (fixed, per_row), *_ = np.linalg.lstsq(a, secs, rcond=None)
-        if fixed >= 0 and per_row >= 0:
-            return NodeCost(fixed_s=float(fixed), per_row_s=float(per_row), fit="affine",
-                            rows_seen=seen, samples=len(samples))
-        if per_row < 0:  # time does not grow with rows: a constant
-            return NodeCost(fixed_s=float(secs.mean()), fit="fixed", rows_seen=seen, samples=len(samples))
-    if rows.sum() <= 0:
-        return NodeCost(fixed_s=float(np.median(secs)), fit="fixed", rows_seen=seen, samples=len(samples))
-    return NodeCost(per_row_s=float((rows @ secs) / (rows @ rows)), fit="proportional",
-                    rows_seen=seen, samples=len(samples))
-
-
-def node_samples(plan: Plan, records: list[Record], skip_steps: int = 1) -> dict[str, list[tuple[float, float]]]:
-    """``(rows on the rank, seconds)`` per node from a run of ``plan`` (its first ``skip_steps`` warm up)."""
-    out: dict[str, list[tuple[float, float]]] = {}
-    first = min((r.step for r in records), default=0)
-    for r in records:
-        task = plan.tasks.get((r.node, r.mb))
-        if task is None or r.step < first + skip_steps:
-            continue
-        out.setdefault(r.node, []).append((rank_rows(plan, task), r.end - r.start))
-    return out
-
-
-def metric_samples(plan: Plan, rows: list[dict[str, Any]], skip_steps: int = 1) -> dict[str, list[tuple[float, float]]]:
-    """The same from ``metrics.jsonl``: ``timing/<node>`` is the sum of its tasks' (slowest-rank) seconds."""
-    out: dict[str, list[tuple[float, float]]] = {}
-    for row in rows[skip_steps:]:
-        for node in plan.graph.nodes:
-            if f"timing/{node}" not in row:
-                continue
-            tasks = plan.node_tasks(node)
-            per_task = row[f"timing/{node}"] / len(tasks)
-            out.setdefault(node, []).extend((rank_rows(plan, t), per_task) for t in tasks)
-    return out
-
-
-def world_factors(nodes: dict[str, NodeCost], plan: Plan, samples: dict[str, list[tuple[float, float]]],
-                  base: dict[str, int]) -> None:
-    """Record on ``nodes`` how much slower (or faster) than their lines the nodes ran in ``plan``, for the
-    nodes whose pool has another worker count than in the profiled ``base`` (node → workers)."""
-    for node, xs in samples.items():
-        world = plan.node_tasks(node)[0].world
-        if world == base.get(node, world) or node not in nodes:
-            continue
-        ratios = [s / nodes[node].seconds(r) for r, s in xs if nodes[node].seconds(r) > 0]
-        if ratios:
-            nodes[node].world_factor[world] = statistics.median(ratios)
-
-
-def step_intervals(records: list[Record], skip_steps: int = 1) -> list[float]:
-    """Seconds between the ends of consecutive steps (a step's wall time, overlap included)."""
-    ends: dict[int, float] = {}
-    for r in records:
-        ends[r.step] = max(ends.get(r.step, r.end), r.end)
-    steps = sorted(ends)[skip_steps:]
-    return [ends[b] - ends[a] for a, b in zip(steps, steps[1:])]
-
-
 # ---------------------------------------------------------------- prediction
 def task_seconds(plan: Plan, costs: CostFile) -> dict[TaskKey, float]:
     """Predicted seconds of every task of ``plan``: its node's cost at its rows per rank (times the factor
@@ -328,22 +262,6 @@ def _owner(spec: Any, role: str | None) -> str:
     return role or ""
 
 
-def calibrate_latency(plan: Plan, costs: CostFile, measured_s: float, predict: Any) -> float:
-    """The per-task latency that makes the prediction of the profiled configuration match its measured
-    seconds per step (dispatch, moving inputs, gates: what task durations do not hold)."""
-    bare = predict(plan, task_seconds(plan, costs.model_copy(update={"task_latency_s": 0.0})))
-    if measured_s <= bare:
-        return 0.0
-    one = predict(plan, task_seconds(plan, costs.model_copy(update={"task_latency_s": 1e-3})))
-    slope = (one - bare) / 1e-3
-    return (measured_s - bare) / slope if slope > 0 else 0.0
-
-
-def median_or_zero(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else 0.0
-
-
-__all__ = ["COST_FILE", "COST_VERSION", "CostFile", "CostFileError", "GIB", "NodeCost", "Record", "RoleMemory",
-           "Transfer", "calibrate_latency", "device_memory", "fit_line", "graph_key", "load_costs",
-           "median_or_zero", "metric_samples", "node_samples", "records_of", "rank_rows", "save_costs",
-           "step_intervals", "task_records", "task_seconds", "world_factors"]
+__all__ = ["COST_FILE", "COST_VERSION", "WARMUP", "CostFile", "CostFileError", "GIB", "NodeCost", "Record",
+           "RoleMemory", "Transfer", "device_memory", "graph_key", "load_costs", "records_of", "rank_rows",
+           "save_costs", "task_records", "task_seconds"]

@@ -1,7 +1,6 @@
 """Every run checks its plan's prediction against what it measures: ``plan/predicted_step_s``, ``plan/error``.
 
-The prediction is the search's (:func:`~flowrl.runtime.simulate.seconds_per_step`
-over :func:`~flowrl.runtime.costs.task_seconds`) from the cost file in the run
+The prediction is the search's (:func:`~flowrl.runtime.costfit.predict_step`) from the cost file in the run
 directory (``costs.json``, written by ``flowrl profile``) when it was profiled
 for this graph; otherwise from the node times this run measured so far (each
 node's median ``timing/<node>`` over the steps before), so the number checks the
@@ -19,13 +18,15 @@ Example::
 
 from __future__ import annotations
 
+import os
 import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from flowrl.runtime.costfit import cores_for, predict_step
 from flowrl.runtime.costs import COST_FILE, CostFile, CostFileError, load_costs, task_seconds
 from flowrl.runtime.plan import Plan, TaskKey
-from flowrl.runtime.simulate import seconds_per_step
+from flowrl.runtime.simulate import bounds_of, seconds_per_step
 
 #: relative error past which the node that drifted most is named
 DRIFT = 0.25
@@ -54,17 +55,20 @@ class PlanCheck:
             out[node] = out.get(node, 0.0) + s
         return out
 
-    def predicted(self) -> tuple[float, dict[str, float]] | None:
-        """Seconds per step and per node as predicted now (None before anything to predict from)."""
-        if self.costs is not None:
+    def predicted(self) -> tuple[float, dict[str, float], float] | None:
+        """Seconds per step, per node and of the critical path as predicted now (None before anything
+        to predict from)."""
+        if self.costs is not None:  # the search's prediction: its tasks share this machine's cores
+            step_s = predict_step(self.plan, self.costs, cores_for(self.plan, float(os.cpu_count() or 1)), STEPS)[0]
             seconds = task_seconds(self.plan, self.costs)
-        elif self.seen:
+        elif self.seen:  # measured as they ran, sharing the cores already: simulated with a device each
             per_node = {n: statistics.median(xs) for n, xs in self.seen.items()}
             seconds = {k: per_node.get(t.node, 0.0) / len(self.plan.node_tasks(t.node))
                        for k, t in self.plan.tasks.items()}
+            step_s = seconds_per_step(self.plan, seconds, STEPS)[0]
         else:
             return None
-        return seconds_per_step(self.plan, seconds, STEPS)[0], self.node_seconds(seconds)
+        return step_s, self.node_seconds(seconds), bounds_of(self.plan, seconds)[0]
 
     def observe(self, row: dict[str, Any]) -> dict[str, float]:
         """The step's ``plan/*`` metrics from its metrics row (``timing/*``); warns on drift."""
@@ -77,7 +81,7 @@ class PlanCheck:
                 self.seen.setdefault(n, []).append(s)
         if prediction is None or not measured:
             return {}
-        step_s, per_node = prediction
+        step_s, per_node, critical = prediction
         error = measured / step_s - 1.0 if step_s > 0 else 0.0
         if self.steps > 1 and abs(error) > DRIFT and nodes:
             node = max(nodes, key=lambda n: abs(nodes[n] - per_node.get(n, 0.0)))
@@ -88,7 +92,7 @@ class PlanCheck:
                          f"the predicted {step_s:.3g}s; node {node!r} drifted most ({nodes[node]:.3g}s measured, "
                          f"{per_node.get(node, 0.0):.3g}s predicted from {where}); profile again with "
                          f"`flowrl profile` if this persists")
-        return {"plan/predicted_step_s": step_s, "plan/error": error}
+        return {"plan/predicted_step_s": step_s, "plan/error": error, "plan/predicted_critical_path_s": critical}
 
 
 __all__ = ["DRIFT", "PlanCheck"]

@@ -7,7 +7,7 @@ so a process), workers per pool, ``schedule.micro_batches``, the updates'
 graph's own staleness is kept: the algorithm is never changed unless asked). Each candidate is a set of ``--set``
 overrides, built into a graph the way ``--set`` builds one, checked by the
 graph checker, planned by :func:`~flowrl.runtime.plan.make_plan` and predicted
-by :func:`~flowrl.runtime.simulate.seconds_per_step` with the tasks' seconds from
+by :func:`~flowrl.runtime.costfit.predict_step` (tasks sharing the budget's cores) with the tasks' seconds from
 the cost file (:func:`~flowrl.runtime.costs.task_seconds`): the plan and the
 order the run itself would use. Candidates over the memory budget are rejected.
 
@@ -25,14 +25,13 @@ from itertools import product
 from typing import Any, Callable, Iterator
 
 from flowrl.graph import Graph, GraphError
+from flowrl.runtime.costfit import cores_for, predict_step
 from flowrl.runtime.costs import GIB, CostFile, device_memory, task_seconds
 from flowrl.runtime.plan import Plan, PlanError, TaskKey, make_plan
 from flowrl.runtime.pools import DRIVER
-from flowrl.runtime.simulate import pool_work, seconds_per_step
+from flowrl.runtime.simulate import pool_work
 from flowrl.runtime.traits import RAY, BackendTraits
 
-#: steps simulated back to back: enough for the pipeline of the largest staleness tried to fill
-SIM_STEPS = 8
 MICRO_BATCHES = (1, 2, 4, 8)
 #: worker counts tried per pool (powers of two keep the space small on a large budget)
 WORKERS = (1, 2, 4, 8, 16, 32, 64)
@@ -41,7 +40,9 @@ ASSUMPTIONS = (
     "split evenly, the measured per-row cost); a profiled worker count uses the slowdown measured there",
     "an update on N ranks adds a gradient all-reduce of 2(N-1)/N × its weights at the measured bytes/s",
     "a weight sync to another pool costs the measured fixed + bytes/s; nodes add no network cost beyond it",
-    "each worker has its own device (CPU core or GPU) as fast as the one profiled",
+    "workers share the budget's CPU cores: while more processes run than there are cores, each runs "
+    "cores / running as fast (the driver's tasks are threads of one process); on GPUs each worker has its own",
+    "a task's latency and the driver's work per step are the profiled ones, whatever the task count",
 )
 
 
@@ -200,7 +201,7 @@ def evaluate(graph: Graph, costs: CostFile, budget: Budget, overrides: dict[str,
         out.rejected = (f"memory: pool {pool!r} needs {need / GIB:.2f} GiB per device, over the "
                         f"{budget.memory_per_device / GIB:.2f} GiB budget")
     seconds = task_seconds(plan, costs)
-    out.step_s, out.makespan_s = seconds_per_step(plan, seconds, SIM_STEPS)
+    out.step_s, out.makespan_s = predict_step(plan, costs, cores_for(plan, budget.cpus * budget.nodes))
     work = pool_work(plan, seconds)
     out.utilisation = {p: min(1.0, w / out.step_s) if out.step_s > 0 else 0.0 for p, w in work.items()}
     out.critical, length = critical_path(plan, seconds)

@@ -69,38 +69,120 @@ def simulate(plan: Plan, costs: dict[str, float] | None = None) -> Simulation:
                       measured=costs is not None)
 
 
-def simulate_steps(plan: Plan, seconds: dict[tuple[str, int | None], float], steps: int = 6) -> list[float]:
+def simulate_steps(plan: Plan, seconds: dict[tuple[str, int | None], float], steps: int = 6,
+                   cpus: float | None = None, step_overhead: float = 0.0) -> list[float]:
     """Each step's predicted end when ``steps`` steps run back to back, as the runtime submits them:
     step after step into each pool's queue in the plan's order, a task behind its inputs and its gates
     (the update ``staleness + 1`` steps back, :class:`~flowrl.runtime.staleness.Gate`), and no step
-    submitted before the step ``window`` steps back finished. ``seconds``: every task's duration."""
-    updates = {t.updates: key for key, t in plan.tasks.items() if t.updates is not None}
-    bound = max((g.staleness for t in plan.tasks.values() for g in t.gates), default=0)
-    end: dict[tuple[int, tuple[str, int | None]], float] = {}
-    pool_free: dict[str, float] = {}
-    step_end: list[float] = []
-    for s in range(steps):
-        submitted = step_end[s - window(bound)] if s >= window(bound) else 0.0
-        for key in plan.order:
-            t = plan.tasks[key]
-            ready = max([submitted, *(end[(s, d)] for d in t.deps)])
-            for g in t.gates:
-                j = g.update_step(s)
-                if j >= 0 and g.role in updates:
-                    ready = max(ready, end[(j, updates[g.role])])
-            begin = ready if t.pool == DRIVER else max(ready, pool_free.get(t.pool, 0.0))
-            end[(s, key)] = begin + seconds.get(key, t.cost)
-            if t.pool != DRIVER:
-                pool_free[t.pool] = end[(s, key)]
-        step_end.append(max((end[(s, k)] for k in plan.order), default=0.0))
-    return step_end
+    submitted before the step ``window`` steps back finished and the driver's ``step_overhead`` seconds
+    after it (collecting its results, metrics, fingerprints) are done. ``seconds``: every task's duration
+    on an otherwise idle machine.
+
+    Cores are shared (``cpus``; None: as many as the tasks need): a pool's task keeps one process per rank
+    busy, the driver's tasks are threads of one process (they share its core), the driver's per-step work
+    is one more process; while more processes run than there are cores, each runs ``cpus / running``
+    as fast, as an operating system's fair scheduler shares them."""
+    return _Steps(plan, seconds, steps, cpus, step_overhead).run()
 
 
-def seconds_per_step(plan: Plan, seconds: dict[tuple[str, int | None], float], steps: int = 8) -> tuple[float, float]:
+class _Steps:
+    """The event-driven simulation behind :func:`simulate_steps` (processor sharing between events)."""
+
+    EPS = 1e-12
+
+    def __init__(self, plan: Plan, seconds: dict[Any, float], steps: int, cpus: float | None, overhead: float):
+        self.plan, self.steps, self.cpus, self.overhead = plan, steps, cpus, overhead
+        self.work = {(s, k): max(0.0, seconds.get(k, plan.tasks[k].cost)) for s in range(steps) for k in plan.order}
+        self.updates = {t.updates: key for key, t in plan.tasks.items() if t.updates is not None}
+        bound = max((g.staleness for t in plan.tasks.values() for g in t.gates), default=0)
+        self.window = window(bound)
+        self.queues: dict[str, list[Any]] = {}
+        for s in range(steps):
+            for key in plan.order:
+                pool = plan.tasks[key].pool
+                if pool != DRIVER:
+                    self.queues.setdefault(pool, []).append((s, key))
+        self.head = {p: 0 for p in self.queues}
+        self.driver = {s: [k for k in plan.order if plan.tasks[k].pool == DRIVER] for s in range(steps)}
+        self.end: dict[Any, float] = {}
+        self.left = {s: len(plan.order) for s in range(steps)}
+        self.step_end: dict[int, float] = {}
+        self.released: dict[int, float] = {}  # step → when the driver's per-step work after it is done
+
+    def ready(self, s: int, key: Any, now: float) -> bool:
+        if s >= self.window and self.released.get(s - self.window, float("inf")) > now + self.EPS:
+            return False
+        t = self.plan.tasks[key]
+        if any((s, d) not in self.end for d in t.deps):
+            return False
+        for g in t.gates:
+            j = g.update_step(s)
+            if j >= 0 and g.role in self.updates and (j, self.updates[g.role]) not in self.end:
+                return False
+        return True
+
+    def rates(self, running: dict[Any, float]) -> dict[Any, float]:
+        """Seconds of work each running task does per second now."""
+        threads = sum(1 for k in running if k[0] != "overhead" and self.plan.tasks[k[1]].pool == DRIVER)
+        demand = (1 if threads else 0) + sum(
+            1 if k[0] == "overhead" else len(self.plan.tasks[k[1]].ranks)
+            for k in running if k[0] == "overhead" or self.plan.tasks[k[1]].pool != DRIVER)
+        share = min(1.0, self.cpus / demand) if self.cpus and demand else 1.0
+        return {k: share / threads if k[0] != "overhead" and self.plan.tasks[k[1]].pool == DRIVER else share
+                for k in running}
+
+    def run(self) -> list[float]:
+        now, running = 0.0, {}  # running: task (or ("overhead", step)) → work left
+        total = len(self.work)
+        while len(self.end) < total:
+            for pool, queue in self.queues.items():
+                i = self.head[pool]
+                busy = any(k[0] != "overhead" and self.plan.tasks[k[1]].pool == pool for k in running)
+                if i < len(queue) and not busy and self.ready(*queue[i], now):
+                    running[queue[i]] = self.work[queue[i]]
+                    self.head[pool] = i + 1
+            for s, keys in self.driver.items():
+                if s >= self.window and self.released.get(s - self.window, float("inf")) > now + self.EPS:
+                    break  # this step and the ones after it are not submitted yet
+                for key in [k for k in keys if self.ready(s, k, now)]:
+                    keys.remove(key)
+                    running[(s, key)] = self.work[(s, key)]
+            if not running:
+                raise RuntimeError("simulate_steps: no task can start (a dependency cycle in the plan)")
+            rates = self.rates(running)
+            dt = min(left / rates[k] if rates[k] > 0 else float("inf") for k, left in running.items())
+            now += dt
+            for k in list(running):
+                running[k] -= rates[k] * dt
+                if running[k] <= self.EPS * max(1.0, now):
+                    del running[k]
+                    self.finish(k, now, running)
+        return [self.step_end[s] for s in range(self.steps)]
+
+    def finish(self, item: Any, now: float, running: dict[Any, float]) -> None:
+        if item[0] == "overhead":
+            self.released[item[1]] = now
+            return
+        s = item[0]
+        self.end[item] = now
+        self.left[s] -= 1
+        if self.left[s] == 0:
+            self.step_end[s] = now
+            if self.overhead > 0:
+                running[("overhead", s)] = self.overhead
+            else:
+                self.released[s] = now
+
+
+def seconds_per_step(plan: Plan, seconds: dict[tuple[str, int | None], float], steps: int = 8,
+                     cpus: float | None = None, step_overhead: float = 0.0) -> tuple[float, float]:
     """``(seconds per step, one step alone)`` with steps back to back (:func:`simulate_steps`): the
-    interval between step ends once the first step has filled the pipeline."""
-    ends = simulate_steps(plan, seconds, max(3, steps))
-    return (ends[-1] - ends[1]) / (len(ends) - 2), ends[0]
+    interval between step ends once the first step has filled the pipeline, over ``steps`` steps that
+    have steps after them (the last steps of a run end sooner: nothing of the next step shares their time)."""
+    steps = max(3, steps)
+    bound = max((g.staleness for t in plan.tasks.values() for g in t.gates), default=0)
+    ends = simulate_steps(plan, seconds, steps + window(bound), cpus, step_overhead)
+    return (ends[steps - 1] - ends[1]) / (steps - 2), ends[0]
 
 
 def bounds_of(plan: Plan, durations: dict[tuple[str, int | None], float]) -> tuple[float, tuple[str, float]]:
