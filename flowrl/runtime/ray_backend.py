@@ -79,9 +79,9 @@ class RayBackend(Backend):
         else:
             with span(self.spans, "driver", "waited for the workers asked for early"):
                 self._early.join()
-            self._early = None  # adopted: shut down with the run
             if self._early_error is not None:
-                raise self._early_error
+                raise self._early_error  # what it placed is given back by drop_unstarted
+            self._early = None  # adopted: shut down with the run
             if self._pools != {p.name: p for p in pools}:  # not the pools it was prepared for
                 self._drop_workers()
                 self._launch(pools)
@@ -92,13 +92,13 @@ class RayBackend(Backend):
             if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
                 self.actors[(DRIVER, 0)] = self._actor_cls.options(num_cpus=0, max_concurrency=32).remote(
                     DRIVER, 0, 1, self._log(), (), ([], nodes, seed, 1))
-            self._get(ray, setups)
             self._form_groups(ray, [p for p in pools if p.workers > 1])
-            # surface role-construction errors and dead workers now, not mid-step
+            # surface role-construction errors and dead workers now, not mid-step; one wait for all
             keys = list(self.actors)
-            pids = self._get(ray, [self.actors[k].ping.remote() for k in keys])
-        self.pids = dict(zip(keys, pids))
-        for spans in self._get(ray, [self.actors[k].startup_spans.remote() for k in keys]):
+            answers = self._get(ray, [*setups, *[self.actors[k].ping.remote() for k in keys],
+                                      *[self.actors[k].startup_spans.remote() for k in keys]])
+        self.pids = dict(zip(keys, answers[len(setups):len(setups) + len(keys)]))
+        for spans in answers[len(setups) + len(keys):]:
             self.spans += spans
 
     def _launch(self, pools: list[PoolSpec]) -> None:
