@@ -90,7 +90,8 @@ def main() -> None:
     ratio = med["ray"] / med["local"]
     print_table("time to first step of graphs/grpo.yaml", ["backend", "first step s", "each round", "whole run s"],
                 rows, notes=[f"median of {args.rounds} round(s) of {args.steps} step(s), backends alternating",
-                             f"ratio ray/local: {ratio:.2f}x (target: at most 2x)",
+                             f"ratio ray/local: {ratio:.2f}x (target: at most 2x); round by round: "
+                             + " ".join(f"{r / loc:.2f}x" for r, loc in zip(first["ray"], first["local"])),
                              f"os.cpu_count()={os.cpu_count()}; load average {os.getloadavg()[0]:.1f}"])
     if timeline:
         print("\nthe last Ray run's " + timeline[0])

@@ -6,8 +6,11 @@ import json
 import os
 import time
 
+import pytest
+
 from flowrl.graph import load_graph
 from flowrl.runtime import ray_start, startup
+from flowrl.runtime.rundir import RunDirectoryError
 from flowrl.runtime.startup import Span, describe, process_start
 from flowrl.runtime.trainer import Trainer
 
@@ -44,10 +47,13 @@ def test_a_ray_run_records_each_process_start_in_the_trace_and_prints_it(ray_ses
     spans = trainer.runtime.backend.startup_spans()
     by = {(s.who, s.what): s for s in spans}
     worker = [by[("train[0]", w)] for w in ("interpreter and Ray started", "flowrl runtime imported",
-                                              "role actor built (actor)")]
+                                              "imported its roles' modules", "role actor built (actor)")]
     assert all(a.end <= b.start + 1e-6 for a, b in zip(worker, worker[1:]))  # one after another, in order
     placed, started = by[("driver", "placement groups ready")], by[("driver", "workers started, roles built")]
     assert placed.end <= started.start + 1e-6 and worker[-1].end <= started.end  # waited for, then built
+    # the Trainer asked for the worker process when it made the plan, before its run began
+    asked = by[("driver", "worker processes asked for")]
+    assert asked.end <= by[("driver", "waited for the workers asked for early")].end <= started.start + 1e-6
     assert len({s.pid for s in spans if s.who == "train[0]"}) == 1 and os.getpid() not in {w.pid for w in worker}
 
     # flowrl run -v: the timeline after the first step, each worker's first task last
@@ -63,3 +69,13 @@ def test_a_ray_run_records_each_process_start_in_the_trace_and_prints_it(ray_ses
     built = next(e for e in events if e["name"] == "role actor built (actor)")
     generate = next(e for e in events if e["name"] == "generate")
     assert built["ts"] + built["dur"] <= generate["ts"]
+
+
+def test_workers_asked_for_early_end_with_a_run_that_never_starts(ray_session, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("{}\n")  # another run's: this one is refused before its first step
+    trainer = Trainer(load_graph("grpo", overrides=TINY), backend="ray", steps=1, out=tmp_path, say=lambda m: None)
+    with pytest.raises(RunDirectoryError):
+        trainer.run()
+    mine = [pg for pg in ray_session.util.placement_group_table().values()
+            if pg["name"].startswith(f"flowrl-train-{os.getpid()}-")]
+    assert mine and all(pg["state"] == "REMOVED" for pg in mine)  # its workers' resources given back

@@ -29,5 +29,18 @@ def make_backend(name: str, address: str | None = None, log_path: Path | None = 
     return made
 
 
+def start_early(made: Backend, pools: list[PoolSpec]) -> None:
+    """Begin starting ``pools``' worker processes before :meth:`Backend.start` where ``made`` can (ray: as
+    soon as Ray is up, so that they import while the driver finishes its own start); elsewhere nothing."""
+    if isinstance(made, RayBackend):
+        made.prepare(pools)
+
+
+def stop_early(made: Backend) -> None:
+    """End the worker processes :func:`start_early` asked for when the run ended before using them."""
+    if isinstance(made, RayBackend):
+        made.drop_unstarted()
+
+
 __all__ = ["BACKENDS", "DRIVER", "Backend", "backend", "LocalBackend", "RayBackend", "PoolSpec", "make_backend",
-           "describe_death"]
+           "describe_death", "start_early", "stop_early"]

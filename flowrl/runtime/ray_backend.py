@@ -23,7 +23,7 @@ from flowrl.runtime.runlog import log_offset, warning_notes
 from flowrl.runtime.startup import Span, process_start, span
 from flowrl.runtime.traits import RAY
 from flowrl.runtime.worker import Call, NodeEntry
-from flowrl.runtime.worker_process import ProcessWorker
+from flowrl.runtime.worker_process import ProcessWorker, role_modules
 
 
 #: a thread of each actor that answers while its task thread is busy (or stuck): stacks
@@ -48,19 +48,68 @@ class RayBackend(Backend):
         self._deaths: dict[tuple[str, int], str] = {}  # how each dead worker found ended (Ray's words)
         self.spans: list[Span] = []  # the start-up of the driver's side and of every worker
         self._log_offset = 0  # where this run's part of the log starts
+        self._early: threading.Thread | None = None  # asking for the workers before start() (prepare)
+        self._early_error: BaseException | None = None
+        self._nodes: dict[str, dict[str, NodeEntry]] = {}
+        self._seed = 0
+
+    def prepare(self, pools: list[PoolSpec]) -> None:
+        """Ask for ``pools``' worker processes as soon as Ray is up, on a thread (returns at once): they
+        start and import their roles' modules while the driver finishes its own start; :meth:`start`
+        (with the plan's nodes) has them build their roles."""
+        self._boot = ray_start.take(self.address)  # begun early by `flowrl run`, else here
+        self._log_offset = log_offset(self.log_path)
+        self._early = threading.Thread(target=self._launch_early, args=(pools,), name="flowrl-workers", daemon=True)
+        self._early.start()
+
+    def _launch_early(self, pools: list[PoolSpec]) -> None:
+        try:
+            self._launch(pools)
+        except BaseException as e:  # noqa: BLE001 - raised again by start(), in the caller's thread
+            self._early_error = e
 
     def start(self, pools: list[PoolSpec], nodes: dict[str, dict[str, NodeEntry]], seed: int,
               driver: bool = True) -> None:
-        self.spans = [Span("driver", "command started, graph loaded, plan made", process_start(), time.time(),
-                           os.getpid())]
-        self._boot = boot = ray_start.take(self.address)  # begun early by `flowrl run`, else here
+        self.spans.insert(0, Span("driver", "command started, graph loaded, plan made", process_start(),
+                                  time.time(), os.getpid()))
+        self._nodes, self._seed = nodes, seed
+        if self._early is None:
+            self._boot = ray_start.take(self.address)  # begun early by `flowrl run`, else here
+            self._log_offset = log_offset(self.log_path)
+            self._launch(pools)
+        else:
+            with span(self.spans, "driver", "waited for the workers asked for early"):
+                self._early.join()
+            if self._early_error is not None:
+                raise self._early_error  # what it placed is given back by drop_unstarted
+            self._early = None  # adopted: shut down with the run
+            if self._pools != {p.name: p for p in pools}:  # not the pools it was prepared for
+                self._drop_workers()
+                self._launch(pools)
+        ray = self._ray
+        with span(self.spans, "driver", "workers started, roles built"):
+            setups = [self.actors[(p.name, rank)].setup.remote(*self._setup_args(p)) for p in pools
+                      for rank in range(p.workers)]
+            if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
+                self.actors[(DRIVER, 0)] = self._actor_cls.options(num_cpus=0, max_concurrency=32).remote(
+                    DRIVER, 0, 1, self._log(), (), ([], nodes, seed, 1))
+            self._form_groups(ray, [p for p in pools if p.workers > 1])
+            # surface role-construction errors and dead workers now, not mid-step; one wait for all
+            keys = list(self.actors)
+            answers = self._get(ray, [*setups, *[self.actors[k].ping.remote() for k in keys],
+                                      *[self.actors[k].startup_spans.remote() for k in keys]])
+        self.pids = dict(zip(keys, answers[len(setups):len(setups) + len(keys)]))
+        for spans in answers[len(setups) + len(keys):]:
+            self.spans += spans
+
+    def _launch(self, pools: list[PoolSpec]) -> None:
+        """Wait for Ray, place ``pools`` and ask for every worker process (their roles are built later)."""
         with span(self.spans, "driver", "waited for Ray's start"):
-            ray = boot.ready()
+            ray = self._boot.ready()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self._started_ray = boot.started_ray
-        self.spans += [boot.span] if boot.span is not None else []
-        self._log_offset = log_offset(self.log_path)
+        self._started_ray = self._boot.started_ray
+        self.spans += [self._boot.span] if self._boot.span is not None else []
         total = ray.cluster_resources()
         need_cpu = sum(p.workers * p.cpus for p in pools)
         need_gpu = sum(p.workers * p.gpus for p in pools)
@@ -70,27 +119,17 @@ class RayBackend(Backend):
                 f"{total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs "
                 f"({', '.join(f'{p.name}: {p.workers}×({p.cpus:g} CPU, {p.gpus:g} GPU)' for p in pools)})"
             )
-        self._actor_cls = actor_cls = ray.remote(concurrency_groups=CONTROL)(ProcessWorker)
-        self._nodes, self._seed, self._strategy, self._ray = nodes, seed, PlacementGroupSchedulingStrategy, ray
+        self._actor_cls = ray.remote(concurrency_groups=CONTROL)(ProcessWorker)
+        self._strategy, self._ray = PlacementGroupSchedulingStrategy, ray
         with span(self.spans, "driver", "placement groups ready"):
             self._place(ray, pools)
         # every worker process is asked for before any is waited on: they start (import, build
         # their roles) side by side
-        with span(self.spans, "driver", "workers started, roles built"):
-            for p in pools:
-                self._pools[p.name] = p
-                for rank in range(p.workers):
-                    self.actors[(p.name, rank)] = self._worker(p, rank)
-            if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
-                self.actors[(DRIVER, 0)] = actor_cls.options(num_cpus=0, max_concurrency=32).remote(
-                    self._log(), DRIVER, 0, 1, [], nodes, seed, 1)
-            self._form_groups(ray, [p for p in pools if p.workers > 1])
-            # surface role-construction errors and dead workers now, not mid-step
-            keys = list(self.actors)
-            pids = self._get(ray, [self.actors[k].ping.remote() for k in keys])
-        self.pids = dict(zip(keys, pids))
-        for spans in self._get(ray, [self.actors[k].startup_spans.remote() for k in keys]):
-            self.spans += spans
+        for p in pools:
+            self._pools[p.name] = p
+            for rank in range(p.workers):
+                self.actors[(p.name, rank)] = self._worker(p, rank, now=False)
+        self.spans.append(Span("driver", "worker processes asked for", time.time(), time.time(), os.getpid()))
 
     def _log(self) -> str | None:
         """The run's log, where each worker process writes what it prints (:mod:`flowrl.runtime.runlog`)."""
@@ -137,13 +176,18 @@ class RayBackend(Backend):
     def notes(self) -> list[str]:
         return warning_notes(self.log_path, self._log_offset)
 
-    def _worker(self, p: PoolSpec, rank: int, first_process: bool = True) -> Any:
-        """The actor of (pool ``p``, ``rank``) in its bundle of the pool's placement group."""
+    def _worker(self, p: PoolSpec, rank: int, first_process: bool = True, now: bool = True) -> Any:
+        """The actor of (pool ``p``, ``rank``) in its bundle of the pool's placement group; it builds its
+        roles at once when ``now``, else when :meth:`start` sends them."""
         strategy = self._strategy(placement_group=self._pg_of[p.name], placement_group_bundle_index=rank)
         return self._actor_cls.options(
             num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy, name=None, max_restarts=0,
-        ).remote(self._log(), p.name, rank, p.workers, p.roles, self._nodes, self._seed,
-                 max(1, int(p.cpus)), p.gpus, True, first_process)
+        ).remote(p.name, rank, p.workers, self._log(), role_modules(p),
+                 self._setup_args(p, first_process) if now else None)
+
+    def _setup_args(self, p: PoolSpec, first_process: bool = True) -> tuple[Any, ...]:
+        """What :meth:`ProcessWorker.setup` takes for a worker of pool ``p``."""
+        return p.roles, self._nodes, self._seed, max(1, int(p.cpus)), p.gpus, True, first_process
 
     def dead_workers(self) -> list[tuple[str, int]]:
         ray = self._ray
@@ -245,15 +289,32 @@ class RayBackend(Backend):
     def shutdown(self) -> None:
         import ray
 
+        if self._early is not None:
+            self._early.join()
         if not ray.is_initialized():
             return
+        self._drop_workers()
+        if self._started_ray:
+            ray.shutdown()
+            self._boot.release()
+
+    def drop_unstarted(self) -> None:
+        """Shut down what :meth:`prepare` started when :meth:`start` never came (the run ended before)."""
+        if self._early is not None:
+            self.shutdown()
+
+    def _drop_workers(self) -> None:
+        """End every worker process and give back every placement group."""
+        if not self.actors and not self.groups:
+            return
+        ray = self._ray
+        from ray.util.placement_group import remove_placement_group
+
         for actor in self.actors.values():
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:
                 pass
-        from ray.util.placement_group import remove_placement_group
-
         for pg in self.groups:
             try:
                 remove_placement_group(pg)
@@ -263,9 +324,6 @@ class RayBackend(Backend):
         self.groups.clear()
         self._pg_of.clear()
         self._pools.clear()
-        if self._started_ray:
-            ray.shutdown()
-            self._boot.release()
 
 
 def _group_host(ray: Any, pg: Any) -> str:

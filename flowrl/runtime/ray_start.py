@@ -6,6 +6,11 @@ imports torch. :func:`begin` starts it on a thread as early as the backend is
 known (``flowrl run`` calls it first thing); :meth:`RayStart.ready` waits for it
 where the workers are created.
 
+A local Ray's processes inherit the driver's environment, with one torch
+thread and no tokenizer threads set in it (a ``runtime_env`` would make every
+worker's start wait on Ray's runtime-env agent); a joined cluster's workers get
+them through the ``runtime_env``.
+
 A local Ray listens on loopback only: an unauthenticated Ray runs code for
 whoever reaches it, so it is closed to the network unless
 ``FLOWRL_RAY_LISTEN_ALL=1`` (``flowrl run --ray-listen-all``) opens it.
@@ -129,7 +134,10 @@ def _init_ray(explicit: str | None) -> bool:
             raise PlacementError(f"cannot join the Ray cluster at {address} ({origin}): {e}. Start it, "
                                  f"or unset RAY_ADDRESS to run on a local Ray") from None
     else:  # a Ray of its own: ray.init() alone would join whatever local cluster another process started
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, runtime_env=env, **quiet)
+        # its processes inherit this one's environment: a runtime_env instead would make each worker's start
+        # wait on Ray's runtime-env agent (1-2 s of a first step on 2 busy cores)
+        os.environ.update(env["env_vars"])
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, **quiet)
     return True
 
 

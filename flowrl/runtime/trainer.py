@@ -45,7 +45,7 @@ import yaml
 from flowrl.graph import REGISTRY, Graph
 from flowrl.runtime.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
                                        fingerprint, worker_counts)
-from flowrl.runtime.backends import make_backend
+from flowrl.runtime.backends import make_backend, start_early, stop_early
 from flowrl.runtime.dumps import graph_fields, write_rollouts
 from flowrl.runtime.plancheck import PlanCheck
 from flowrl.runtime import rollback
@@ -101,13 +101,18 @@ class Trainer:
         self.recorder: Recorder | None = None  # made when the run starts (a resume cuts the records back)
         self.runtime = Runtime(graph, backend=make_backend(backend, address, self.log_path), address=address,
                                on_progress=on_progress, fetch=fetch, stage=self.store.stage, record=self._recorded)
+        start_early(self.runtime.backend, self.runtime.plan.pools)  # their imports overlap the rest of this
         self.show_startup = show_startup
         kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
         spec = REGISTRY.source(kind)
         data_cfg = spec.config.model_validate(cfg.data.dump())
-        self.source = spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles)
-        self.val_source = (spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles, split="val")
-                           if self.runtime.plan.validation is not None else None)
+        try:
+            self.source = spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles)
+            self.val_source = (spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles, split="val")
+                               if self.runtime.plan.validation is not None else None)
+        except BaseException:
+            stop_early(self.runtime.backend)  # no run will use the workers asked for above
+            raise
         self.history: list[dict[str, float]] = []
         self.history_limit = history_limit
         if self.trace is None:
@@ -123,20 +128,23 @@ class Trainer:
 
     def run(self) -> list[dict[str, float]]:
         """Run the steps (resuming first when asked) and return the metrics rows of this run."""
-        with RunDirectory(self.out, say=self.say) as rundir:
-            rundir.claim(resume=self.resume, overwrite=self.overwrite)
-            try:
-                return self._run()
-            except RuntimeFailure as e:
-                record_failure(self.log_path, e)  # the traceback goes to the log, the message names it
-                raise
-            finally:
-                if self.trace is not None:
-                    self.runtime.timeline.to_chrome_trace(self.trace, self.runtime.backend.startup_spans())
-                self.runtime.close()
-                for line in self.runtime.backend.notes():
-                    self.say(line)
-                self.store.discard_staged()  # shards written for a checkpoint that was never saved
+        try:
+            with RunDirectory(self.out, say=self.say) as rundir:
+                rundir.claim(resume=self.resume, overwrite=self.overwrite)
+                try:
+                    return self._run()
+                except RuntimeFailure as e:
+                    record_failure(self.log_path, e)  # the traceback goes to the log, the message names it
+                    raise
+                finally:
+                    if self.trace is not None:
+                        self.runtime.timeline.to_chrome_trace(self.trace, self.runtime.backend.startup_spans())
+                    self.runtime.close()
+                    for line in self.runtime.backend.notes():
+                        self.say(line)
+                    self.store.discard_staged()  # shards written for a checkpoint that was never saved
+        finally:
+            stop_early(self.runtime.backend)  # workers asked for early that no step came to use
 
     def _run(self) -> list[dict[str, float]]:
         cfg = self.graph.config
