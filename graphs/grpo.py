@@ -14,6 +14,6 @@ from operators import actor, advantage, reward, rollout
 )
 def grpo(batch):
     batch = rollout.generate(batch, n=8, max_new_tokens=8, temperature=1.0)
-    batch = reward.rule(batch)
+    batch = reward.rule(batch, fn="task_eos")
     batch = advantage.grpo(batch, inputs={"token_level_rewards": "token_level_scores"})
     return actor.update(batch, clip_ratio=0.2, entropy_coeff=0.05, inputs={"old_log_probs": "rollout_log_probs"})
