@@ -13,7 +13,7 @@ from operators import actor, advantage, reward, rollout
     trainer={"steps": 300, "seed": 0, "out": "runs/grpo", "val_every": 50, "checkpoint_every": 100},
 )
 def grpo(batch):
-    batch = rollout.generate(batch, n=8, max_new_tokens=8, temperature=1.0)
+    batch = rollout.generate(batch, n=8, max_new_tokens=3, temperature=1.0)
     batch = reward.rule(batch, fn="task_eos")
     batch = advantage.grpo(batch, inputs={"token_level_rewards": "token_level_scores"})
     return actor.update(batch, clip_ratio=0.2, entropy_coeff=0.05, inputs={"old_log_probs": "rollout_log_probs"})
