@@ -6,7 +6,8 @@ from operators import actor, advantage, reward, rollout
 
 @graph(
     name="grpo",
-    roles={"actor": {"model": "builtin:tiny", "optim": {"lr": 1.0e-3, "grad_clip": 1.0}}},
+    roles={"actor": {"model": "builtin:tiny", "optim": {"lr": 1.0e-3, "grad_clip": 1.0, "schedule": "cosine",
+                                                         "total_steps": 300, "min_lr_ratio": 0.1}}},
     pools={"train": {"workers": 1, "cpus": 1, "roles": ["actor"]}},
     data={"source": "builtin:copy", "batch_size": 32},
     schedule={"micro_batches": 1, "staleness": 0},
