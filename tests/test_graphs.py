@@ -13,6 +13,7 @@ import torch
 from flowrl.data import DataProto
 from flowrl.graph import builtin_graphs, load_graph
 from flowrl.runtime.trainer import Trainer
+from operators.models.optim import OptimConfig, lr_multiplier
 
 GRAPHS = ["grpo", "grpo_async", "ppo", "rloo", "reinforce_pp", "remax", "grpo_skewed"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,8 @@ def test_every_graph_runs_a_few_steps(name, tmp_path):
     last = history[-1]
     assert 0.0 <= last["reward/mean"] <= 1.0
     assert math.isfinite(last["actor/pg_loss"])
-    assert last["actor/lr"] == pytest.approx(g.config.roles["actor"].optim["lr"])   # the graph's own lr
+    optim = OptimConfig(**g.config.roles["actor"].optim)
+    assert last["actor/lr"] == pytest.approx(optim.lr * lr_multiplier(1, optim))   # the graph's own lr, at update 2
     assert last["timing/update_actor"] > 0
     if name == "ppo":
         assert math.isfinite(last["critic/vf_loss"])

@@ -21,6 +21,7 @@ from operators.rewards import (
     partial_match_score,
     place_at_last_token,
     split_score,
+    task_eos_score,
     task_token_score,
 )
 
@@ -83,6 +84,24 @@ def test_default_task_is_two_digit_copy_and_unknown_tasks_are_named():
 ])
 def test_task_token_score_by_hand(response, score):
     assert task_token_score(response, [D["3"], D["7"]], EOS) == pytest.approx(score)
+
+
+@pytest.mark.parametrize("response, score", [
+    ([D["3"], D["7"], EOS], 1.0),                   # exact, then EOS
+    ([D["3"], EOS], 1 / 3),                         # stopped one digit early: less than a wrong digit
+    ([D["3"], D["9"], EOS], 2 / 3),                 # a wrong second digit, then the stop
+    ([D["3"], D["7"]], 2 / 3),                      # exact, cut by the length limit: the stop is missing
+    ([D["3"], D["7"], D["7"], EOS], 2 / 4),         # one extra token before EOS
+    ([D["3"], D["7"], D["3"], D["7"], D["3"], D["7"], D["3"], D["7"]], 2 / 8),   # rambling, no EOS
+    ([D["3"], D["7"], EOS, D["9"], BOS], 1.0),      # anything after EOS is ignored
+    ([EOS], 0.0),                                   # empty answer
+])
+def test_task_eos_score_scores_the_stop_as_one_more_token(response, score):
+    assert task_eos_score(response, [D["3"], D["7"]], EOS) == pytest.approx(score)
+    responses = torch.tensor([response])
+    scores, _ = compute_scores(responses, torch.ones_like(responses), data_source=["builtin:copy"],
+                               ground_truth=["3 7"], tokenizer=TOK, fn="task_eos")
+    assert scores.tolist() == pytest.approx([score])
 
 
 def test_token_scoring_cannot_be_fooled_by_special_tokens_that_text_scoring_hides():

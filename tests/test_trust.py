@@ -174,7 +174,7 @@ def case_kl_loss_without_reference(tmp: Path) -> list[str]:
 
 
 def case_validation_with_nothing_that_scores(tmp: Path) -> list[str]:
-    g = _grpo_yaml(tmp, **{"  reward:       {op: reward.rule}\n": "",
+    g = _grpo_yaml(tmp, **{"  reward:       {op: reward.rule, fn: task_eos}\n": "",
                           "inputs: {token_level_rewards: token_level_scores}": "inputs: {token_level_rewards: rw}",
                           "name: grpo": "name: g\nimports: [mymod]"})
     (tmp / "mymod.py").write_text(
@@ -197,8 +197,8 @@ def case_own_operator_next_to_the_graph_file(tmp: Path) -> list[str]:
     (tmp / "mymod.py").write_text((ROOT / "tests" / "userpkg" / "length_penalty.py").read_text()
                                   .replace("userpkg.length_penalty", "mymod.length_penalty"))
     g = _grpo_yaml(tmp, **{"inputs: {token_level_rewards: token_level_scores}": "",
-                          "  reward:       {op: reward.rule}\n":
-                          "  reward:       {op: reward.rule}\n  penalty: {op: 'mymod:length_penalty'}\n"})
+                          "  reward:       {op: reward.rule, fn: task_eos}\n":
+                          "  reward:       {op: reward.rule, fn: task_eos}\n  penalty: {op: 'mymod:length_penalty'}\n"})
     return ["validate", str(g)]
 
 

@@ -201,10 +201,12 @@ def test_a_data_source_without_a_builtin_reward(tmp_path, suffix):
     rows = [row(i) for i in range(64)]
     rows[40] = row(40, data_source="myorg/copy")
     data = write(tmp_path / f"train{suffix}", rows)
-    rejected(validate(f"data.source={data}"), "node 'reward'", f"train{suffix}", "row 40", "'myorg/copy'")
+    # the default job names its reward (task_eos); fn: auto is what reads data_source
+    rejected(validate(f"data.source={data}", "nodes.reward.fn=auto"), "node 'reward'", f"train{suffix}", "row 40",
+             "'myorg/copy'")
     assert validate(f"data.source={data}", "nodes.reward.fn=exact").exit_code == 0
     assert validate(f"data.val_source={data}", "nodes.reward.fn=partial").exit_code == 0
-    rejected(validate(f"data.val_source={data}"), "node 'reward'", "row 40")
+    rejected(validate(f"data.val_source={data}", "nodes.reward.fn=auto"), "node 'reward'", "row 40")
 
 
 # ---------------------------------------------------------------- what YAML itself would hide

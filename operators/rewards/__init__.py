@@ -20,6 +20,7 @@ _HOME = {
     "partial_match_score": "operators.rewards.rule",
     "positional_match": "operators.rewards.rule",
     "task_token_score": "operators.rewards.rule",
+    "task_eos_score": "operators.rewards.rule",
     "token_reward": "operators.rewards.rule",
     "NAMED_REWARDS": "operators.rewards.scoring",
     "auto_reward_fn": "operators.rewards.scoring",

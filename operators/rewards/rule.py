@@ -69,6 +69,31 @@ def task_token_score(response_ids: Sequence[int], target_ids: Sequence[int], eos
     return positional_match(response_ids, list(target_ids))
 
 
+@token_reward
+def task_eos_score(response_ids: Sequence[int], target_ids: Sequence[int], eos_token_id: int) -> float:
+    """:func:`task_token_score` with the stop scored: EOS is one more target token, after the answer.
+
+    Under :func:`task_token_score` a response that stops one token early
+    (``"3 <eos>"`` for ``"3 7"``) scores as much as one with a wrong token in
+    that place (both 1/2), so a policy that has learned the first token and to
+    stop can settle there: every sample of a prompt agrees, and a group-relative
+    advantage is zero. Here stopping early costs more than guessing (1/3
+    against 2/3), so the policy keeps trying the next token until it is right.
+
+    Example::
+
+        >>> eos = 2
+        >>> task_eos_score([7, 11, eos], [7, 11], eos), task_eos_score([7, eos], [7, 11], eos)
+        (1.0, 0.3333333333333333)
+        >>> task_eos_score([7, 9, eos], [7, 11], eos), task_eos_score([7, 11], [7, 11], eos)   # no EOS: 2 of 3
+        (0.6666666666666666, 0.6666666666666666)
+    """
+    response_ids = list(response_ids)
+    if eos_token_id in response_ids:
+        response_ids = response_ids[: response_ids.index(eos_token_id) + 1]
+    return positional_match(response_ids, [*target_ids, eos_token_id])
+
+
 _GSM8K_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
 _NUMBER = re.compile(r"-?[0-9\.\,]+")
 

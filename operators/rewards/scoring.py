@@ -2,7 +2,8 @@
 
 ``fn`` names the reward: ``"auto"`` (by ``data_source``: ``builtin:*`` → the
 task's token reward, anything containing ``gsm8k`` → :func:`gsm8k_score`),
-``"task"`` (or a builtin task's name: ``"copy"``, ``"add"``...), ``"gsm8k"``,
+``"task"`` (or a builtin task's name: ``"copy"``, ``"add"``...), ``"task_eos"`` (the
+same with the stop scored: EOS is one more target token), ``"gsm8k"``,
 ``"exact"``, ``"partial"``, or an import path ``"pkg.mod:fn"`` /
 ``"file.py:fn"`` (see :mod:`operators.rewards.user_fn`).
 
@@ -41,6 +42,7 @@ from operators.rewards.rule import (
     exact_match_score,
     gsm8k_score,
     partial_match_score,
+    task_eos_score,
     task_token_score,
 )
 from operators.rewards.user_fn import RewardFnError, load_reward_fn, split_score
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
 
 NAMED_REWARDS: dict[str, Callable[..., Any]] = {
     "task": task_token_score,
+    "task_eos": task_eos_score,   # the stop scored too (the default job's: graphs/grpo.yaml says why)
     **{name: task_token_score for name in TASKS},   # every builtin task scores the same way
     "gsm8k": gsm8k_score,
     "exact": exact_match_score,
