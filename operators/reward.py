@@ -12,11 +12,11 @@ from pydantic import Field
 
 from flowrl.data.metrics import maximum, minimum
 from flowrl.graph import Params, operator
-from flowrl.graph.checks import ParameterError, graph_check
+from flowrl.graph.checks import ParameterError, ParameterWarning, graph_check
 from operators.data.dataset import DatasetError, data_sources
 from operators.models import load_tokenizer
-from operators.rewards import (auto_reward_fn, compute_scores, extra_info_rows, extra_metrics, place_at_last_token,
-                               resolve_reward_fn)
+from operators.rewards import (TASK_REWARDS, auto_reward_fn, compute_scores, extra_info_rows, extra_metrics,
+                               place_at_last_token, resolve_reward_fn)
 
 
 class Rule(Params):
@@ -85,6 +85,29 @@ def _reward_fn_resolves(graph):
         except ValueError as err:  # RewardFnError is a ValueError
             yield ParameterError(str(err), node=name, field="fn", location=graph.locate("nodes", name, "fn"),
                                  fix="fix the name or the import path (the module's directory must be importable)")
+
+
+@graph_check
+def _task_reward_reads_a_task(graph):
+    """A builtin task's reward (``task``, ``task_eos``, a task's name: the answer's tokens matched position
+    by position) over data that is not a builtin task is almost surely a graph pointed at new data that kept
+    the default job's reward: it would score a free-form answer near zero."""
+    for name, node in graph.nodes.items():
+        if node.op_name != "reward.rule" or node.params is None or not isinstance(node.params.fn, str):
+            continue
+        fn = node.params.fn.removeprefix("builtin:")
+        if ":" in fn or fn not in TASK_REWARDS:
+            continue
+        for key in ("source", "val_source"):
+            spec = graph.config.data.dump().get(key)
+            if isinstance(spec, str) and not spec.startswith("builtin:"):
+                yield ParameterWarning(
+                    f"fn {fn!r} scores a builtin task's answer tokens position by position, but data.{key} is "
+                    f"{spec!r}, not a builtin task", node=name, field="fn",
+                    location=graph.locate("nodes", name, "fn"),
+                    fix=f"set nodes.{name}.fn=auto (picked by each row's data_source), or exact, partial, gsm8k "
+                        "or your own pkg.module:compute_score")
+                break
 
 
 @graph_check

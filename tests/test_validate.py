@@ -209,6 +209,19 @@ def test_a_data_source_without_a_builtin_reward(tmp_path, suffix):
     rejected(validate(f"data.val_source={data}", "nodes.reward.fn=auto"), "node 'reward'", "row 40")
 
 
+def test_the_default_jobs_task_reward_pointed_at_other_data_is_a_warning(tmp_path):
+    # the default job names task_eos; a user who swaps in their own file keeps it unless told
+    from flowrl.graph import load_graph
+    from flowrl.graph.checks import ParameterWarning, check
+
+    data = write(tmp_path / "train.jsonl", [row(i, data_source="myorg/copy") for i in range(8)])
+    [warning] = [w for w in check(load_graph("grpo", overrides={"data.source": str(data)})).warnings
+                 if isinstance(w, ParameterWarning)]
+    assert (warning.node, warning.field) == ("reward", "fn") and "fn=auto" in warning.fix
+    assert not check(load_graph("grpo")).warnings  # a builtin task: its own reward
+    assert not check(load_graph("grpo", overrides={"data.source": str(data), "nodes.reward.fn": "exact"})).warnings
+
+
 # ---------------------------------------------------------------- what YAML itself would hide
 
 # written here, not read from graphs/: the lines the tests name must not move when the default job does

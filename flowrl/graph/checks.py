@@ -32,6 +32,7 @@ from flowrl.graph.problems import (
     GraphProblem,
     MissingProducerError,
     ParameterError,
+    ParameterWarning,
     PoolError,
     ResourceError,
     RoleError,
@@ -411,7 +412,7 @@ def _collapse_cascades(report: Report) -> None:
 
 __all__: list[Any] = [
     "GraphProblem", "SchemaError", "CycleError", "MissingProducerError",
-    "DuplicateProducerError", "FieldTypeError", "UnknownOperatorError", "ParameterError", "RoleError",
+    "DuplicateProducerError", "FieldTypeError", "UnknownOperatorError", "ParameterError", "ParameterWarning", "RoleError",
     "RoleWithoutPoolError", "PoolError", "ResourceError", "DataSourceError", "UnusedOutputWarning",
     "UnresolvedInputWarning",
     "Report", "GraphError", "check", "local_resources", "graph_check", "GRAPH_CHECKS",

@@ -123,6 +123,13 @@ class ParameterError(GraphProblem):
     title = "parameter"
 
 
+class ParameterWarning(GraphProblem):
+    """A parameter that is valid but most likely not what the graph means (e.g. a reward for other data)."""
+
+    severity = "warning"
+    title = "parameter"
+
+
 class RoleError(GraphProblem):
     """A node names a role that does not exist, or of the wrong kind, or takes none."""
 
@@ -180,7 +187,7 @@ class GraphError(Exception):
 
 __all__ = [
     "BuildProblem", "CycleError", "DataSourceError", "DuplicateProducerError", "FieldTypeError", "GraphError",
-    "GraphProblem", "GraphSyntaxError", "Location", "MissingProducerError", "ParameterError", "PoolError",
+    "GraphProblem", "GraphSyntaxError", "Location", "MissingProducerError", "ParameterError", "ParameterWarning", "PoolError",
     "ResourceError", "RoleError", "RoleWithoutPoolError", "SchemaError", "UnknownOperatorError",
     "UnresolvedInputWarning", "UnusedOutputWarning",
 ]

@@ -23,6 +23,7 @@ _HOME = {
     "task_eos_score": "operators.rewards.rule",
     "token_reward": "operators.rewards.rule",
     "NAMED_REWARDS": "operators.rewards.scoring",
+    "TASK_REWARDS": "operators.rewards.scoring",
     "auto_reward_fn": "operators.rewards.scoring",
     "compute_scores": "operators.rewards.scoring",
     "extra_metrics": "operators.rewards.scoring",

@@ -59,6 +59,8 @@ NAMED_REWARDS: dict[str, Callable[..., Any]] = {
     "exact": exact_match_score,
     "partial": partial_match_score,
 }
+#: the rewards that match a builtin task's answer tokens (what a free-form answer scores near zero on)
+TASK_REWARDS = frozenset(name for name, fn in NAMED_REWARDS.items() if fn in (task_token_score, task_eos_score))
 
 
 def resolve_reward_fn(fn: str | Callable[..., Any]) -> Callable[..., Any] | None:
