@@ -8,7 +8,7 @@ import torch
 
 from flowrl.graph import load_graph
 from flowrl.runtime.fingerprints import field_print, step_record, weights_digest
-from flowrl.runtime.rundiff import FingerprintFileError, read_prints
+from flowrl.runtime.rundiff import FingerprintFileError, read_prints, row_digests
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.trainer import Trainer
 from tests.test_runtime import BIG, batches, graph_from
@@ -27,8 +27,8 @@ def test_a_field_print_counts_real_tokens_only_and_names_the_first_bad_row():
     # one digest per row, of its exact bytes: a change in one row changes that row's digest only
     other = values.clone()
     other[2, 2] = 1e-7
-    changed = field_print(other, mask)["rows"]
-    assert [a == b for a, b in zip(fp["rows"], changed)] == [True, True, False]
+    changed = row_digests(field_print(other, mask))
+    assert [a == b for a, b in zip(row_digests(fp), changed)] == [True, True, False]
 
 
 def test_weights_digest_sees_one_changed_element_and_names():

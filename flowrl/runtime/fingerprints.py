@@ -27,10 +27,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
+import numpy as np
 import torch
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -39,32 +41,32 @@ from flowrl.data.dispatch import ROW_INDEX, task_rows
 from flowrl.data.metrics import measured
 from flowrl.graph import Graph
 from flowrl.runtime.invariants import Invariants
-from flowrl.runtime.rundiff import FILE, SOURCE
+from flowrl.runtime.rundiff import FILE, ROW_HEX, SOURCE, row_digests
 from flowrl.runtime.sinks import read_metrics
 
 if TYPE_CHECKING:
     from flowrl.runtime.plan import Plan
 
-#: hex characters of one row's digest (48 bits: enough to point at the rows that differ)
-ROW_HEX = 12
-ROW_MASK = (1 << 4 * ROW_HEX) - 1
 MASK = "response_mask"
 
 
 # ---------------------------------------------------------------------- worker side
-def _row_digests(value: Any) -> list[str]:
-    """One digest per row: of a tensor row's exact bits (vectorised, :func:`_mixed_rows`), of an
-    object's ``repr`` (each distinct object once: rows repeated per sample share theirs)."""
+def _row_digests(value: Any) -> str:
+    """One digest per row, as one string of :data:`ROW_HEX` hex characters per row (a list of short
+    strings costs more to send and to write than the digests cost to compute): of a tensor row's exact
+    bits (vectorised, :func:`_mixed_rows`; its low 48 bits), of an object's ``repr`` (each distinct
+    object once: rows repeated per sample share theirs)."""
     if isinstance(value, torch.Tensor):
         mixed = _mixed_rows(value.detach(), None, f"{value.dtype}|{tuple(value.shape[1:])}")
-        return [f"{x & ROW_MASK:012x}" for x in mixed.tolist()]
+        big_endian = mixed.numpy().view(np.uint64).astype(">u8").view(np.uint8).reshape(-1, 8)
+        return big_endian[:, 8 - ROW_HEX // 2:].tobytes().hex()
     seen: dict[int, str] = {}
     out = []
     for v in value:
         if id(v) not in seen:
             seen[id(v)] = hashlib.blake2b(repr(v).encode(), digest_size=ROW_HEX // 2).hexdigest()
         out.append(seen[id(v)])
-    return out
+    return "".join(out)
 
 
 def _stats(t: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
@@ -72,6 +74,11 @@ def _stats(t: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
     first row holding a NaN or inf."""
     values = t.detach()
     real = values[mask.bool()] if mask is not None else values.reshape(-1)
+    total = float(real.double().sum()) if real.numel() else 0.0
+    if math.isfinite(total):  # no NaN or inf among them (the common case: two operations)
+        lo, hi = torch.aminmax(real) if real.numel() else (None, None)
+        return {"n": int(real.numel()), "sum": total, "min": None if lo is None else float(lo),
+                "max": None if hi is None else float(hi), "nan": 0, "inf": 0, "first_bad": None}
     ok = torch.isfinite(real)
     finite = real[ok]
     nan = int(torch.isnan(real).sum())
@@ -101,11 +108,6 @@ def _odd(text: str) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
-    """A logical right shift of int64 (torch's is arithmetic)."""
-    return (x >> k) & ((1 << (64 - k)) - 1)
-
-
 _COLUMN_WEIGHTS: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
 
 
@@ -127,48 +129,75 @@ def _mixed_rows(local: torch.Tensor, first: int | None, key: str) -> torch.Tenso
     content alone, wherever it sits) and ``key``: the row's
     bits weighted by fixed odd multipliers per column and summed, then a splitmix-style finish
     (every output bit depends on every input bit)."""
+    m = _weighted_rows(local, key)
+    return _finish(m, None if first is None else _row_index(m.shape[0], first))
+
+
+def _weighted_rows(local: torch.Tensor, key: str) -> torch.Tensor:
+    """:func:`_mixed_rows` before the row index and the finish: each row's bits weighted and summed, plus ``key``."""
     local = local.contiguous()
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
     rows = local.shape[0] if local.dim() else 1
     width = local.numel() // rows if rows else 1
     bits = local.reshape(-1).view(ints).reshape(rows, width)
     wide = torch.int64 if local.element_size() == 8 else torch.int32
-    m = (bits * _column_weights(width, wide, bits.device)).sum(dim=1, dtype=torch.int64) + _odd(key)
-    if first is not None:
-        m = m + (torch.arange(rows, dtype=torch.int64, device=bits.device) + first) * _odd("row")
-    m = (m ^ _shr(m, 31)) * _odd("mix1")
-    m = (m ^ _shr(m, 29)) * _odd("mix2")
-    return m ^ _shr(m, 32)
+    return (bits * _column_weights(width, wide, bits.device)).sum(dim=1, dtype=torch.int64) + _odd(key)
 
 
-def _tensor_sums(name: str, t: torch.Tensor) -> tuple[int | None, bool]:
-    """The sum mod 2^64 of :func:`_mixed_rows` over this rank's rows of ``t``: a sum over
-    disjoint sets of rows equals the whole tensor's, so the digest of weights sharded by rows
-    (FSDP2) is the same at any worker count. ``None`` for a part that is not whole rows."""
+def _finish(m: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """The row index (``None``: none) and a splitmix-style finish of :func:`_weighted_rows`, on the
+    CPU (one int64 per row: moving them costs less than finishing them on an accelerator)."""
+    m = m.cpu()
+    if index is not None:
+        m = m + index * _odd("row")
+    # in numpy's uint64, whose shifts are logical and whose products wrap as int64's do: the same
+    # bits in a third of the small operations torch needs (its int64 shift is arithmetic)
+    u = m.numpy().view(np.uint64)
+    u = (u ^ (u >> np.uint64(31))) * np.uint64(_odd("mix1") % (1 << 64))
+    u = (u ^ (u >> np.uint64(29))) * np.uint64(_odd("mix2") % (1 << 64))
+    return torch.from_numpy((u ^ (u >> np.uint64(32))).view(np.int64))
+
+
+def _local_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, str, bool] | None:
+    """This rank's rows of ``t``, the index of the first in the whole tensor, the digest's key and
+    whether they are a part; ``None`` for a part that is not whole rows."""
     local, first, shape = t, 0, list(t.shape)
     part = hasattr(t, "to_local") and t.device_mesh.size() > 1
     if hasattr(t, "to_local"):
         local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
         if list(local_shape[1:]) != shape[1:]:
-            return None, part
+            return None
         first, local = int(offset[0]) if offset else 0, t.to_local()
-    key = f"{name}|{t.dtype}|{tuple(shape)}"
-    return int(_mixed_rows(local.detach(), first, key).sum()) % (1 << 64), part
+    return local.detach(), first, f"{name}|{t.dtype}|{tuple(shape)}", part
 
 
 def weights_digest(named: Iterable[tuple[str, torch.Tensor]] | None) -> str | None:
     """A 64-bit digest of ``(name, tensor)`` pairs (names, dtypes, shapes, exact bits), additive
     over shards: this rank's part of sharded weights is marked ``p:`` (:func:`combine_digests`
-    adds the ranks' parts into the whole's)."""
+    adds the ranks' parts into the whole's).
+
+    The sum mod 2^64 of :func:`_mixed_rows` over every row of every tensor: a sum over disjoint
+    sets of rows equals the whole tensor's, so the digest of weights sharded by rows (FSDP2) is
+    the same at any worker count. The rows of all tensors are finished together (one pass
+    rather than one per tensor: the same values, a fraction of the small operations)."""
     if named is None:
         return None
-    total, partial = 0, False
+    weighted, index, partial = [], [], False
     for name, t in named:
-        value, part = _tensor_sums(name, t)
-        if value is None:  # sharded other than by rows: no digest rather than a wrong one
+        rows = _local_rows(name, t)
+        if rows is None:  # sharded other than by rows: no digest rather than a wrong one
             return None
-        total, partial = (total + value) % (1 << 64), partial or part
+        local, first, key, part = rows
+        weighted.append(_weighted_rows(local, key))
+        index.append(_row_index(weighted[-1].shape[0], first))
+        partial = partial or part
+    total = int(_finish(torch.cat(weighted), torch.cat(index)).sum()) % (1 << 64) if weighted else 0
     return ("p:" if partial else "") + f"{total:016x}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_index(rows: int, first: int) -> torch.Tensor:
+    return torch.arange(first, first + rows, dtype=torch.int64)
 
 
 def combine_digests(digests: list[str | None]) -> str | None:
@@ -240,12 +269,17 @@ def _columns(data: DataProto) -> Iterable[tuple[str, Any]]:
 # ---------------------------------------------------------------------- driver side
 def _merge(parts: list[tuple[dict[str, Any], list[int] | None]]) -> dict[str, Any]:
     """One field over a node's tasks and ranks (in row order) → its step fingerprint."""
-    rows: list[str] = []
-    n = nan = inf = 0
+    rows: list[str] = []  # each part's row digests, one string per part
+    count = n = nan = inf = 0
     total, lo, hi, first_bad, width = 0.0, None, None, None, None
     for p, at in parts:
-        offset = len(rows)
-        rows.extend(p["rows"] if at is None else [p["rows"][at.index(i)] for i in sorted(at)])
+        offset = count
+        if at is None:
+            rows.append(p["rows"] if isinstance(p["rows"], str) else "".join(p["rows"]))
+        else:  # a rank's rows of a balanced task: put back in the order of their positions
+            mine = row_digests(p)
+            rows.append("".join(mine[j] for j in sorted(range(len(at)), key=at.__getitem__)))
+        count += len(rows[-1]) // ROW_HEX
         if p.get("first_bad") is not None and first_bad is None:
             first_bad = offset + (p["first_bad"] if at is None else sorted(at).index(at[p["first_bad"]]))
         n, total, nan, inf = n + p.get("n", 0), total + p.get("sum", 0.0), nan + p.get("nan", 0), inf + p.get("inf", 0)
@@ -253,8 +287,9 @@ def _merge(parts: list[tuple[dict[str, Any], list[int] | None]]) -> dict[str, An
         hi = p.get("max") if hi is None else (hi if p.get("max") is None else max(hi, p["max"]))
         width = p["shape"][1:]
     first = parts[0][0]
-    h = hashlib.blake2b(f"{first['dtype']}|".encode() + "".join(rows).encode(), digest_size=16).hexdigest()
-    out = {"hash": h, "shape": [len(rows), *(width or [])], "dtype": first["dtype"], "rows": rows}
+    joined = "".join(rows)
+    h = hashlib.blake2b(f"{first['dtype']}|".encode() + joined.encode(), digest_size=16).hexdigest()
+    out = {"hash": h, "shape": [count, *(width or [])], "dtype": first["dtype"], "rows": joined}
     if "n" in first:
         out.update(mean=total / n if n else None, min=lo, max=hi, nan=nan, inf=inf, first_bad=first_bad)
     return out
@@ -276,11 +311,12 @@ def step_record(step: int, plan: "Plan", infos: list[Any], syncs: list[Any] = ()
             for name, fp in p[kind].items():
                 per_node.setdefault(node, {}).setdefault(name, []).append((info.node, info.mb, fp, p["at"]))
     nodes: dict[str, Any] = {}
+    order = plan.graph.topological_order()
     for node, fields in per_node.items():
         merged = {}
         for name, parts in fields.items():
             if node == SOURCE:  # the first reader's copy (in topological order) only
-                reader = next(n for n in plan.graph.topological_order() if any(q[0] == n for q in parts))
+                reader = next(n for n in order if any(q[0] == n for q in parts))
                 parts = [q for q in parts if q[0] == reader]
             merged[name] = _merge([(fp, at) for _, _, fp, at in parts])
         nodes[node] = {"fields": merged}

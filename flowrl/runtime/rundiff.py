@@ -34,6 +34,17 @@ SOURCE = "<data>"
 WEIGHTS = "weights"
 #: rows listed in a finding
 SHOWN_ROWS = 8
+#: hex characters of one row's digest (48 bits: enough to point at the rows that differ)
+ROW_HEX = 12
+
+
+def row_digests(fp: dict[str, Any]) -> list[str]:
+    """The per-row digests of a field's fingerprint: stored as one string of :data:`ROW_HEX` characters
+    per row (a list of strings in files written before that; both read)."""
+    rows = fp.get("rows")
+    if rows is None or isinstance(rows, list):
+        return rows
+    return [rows[i:i + ROW_HEX] for i in range(0, len(rows), ROW_HEX)]
 
 
 class FingerprintFileError(ValueError):
@@ -109,7 +120,7 @@ def _detail(pa: dict[str, Any] | None, pb: dict[str, Any] | None) -> dict[str, A
     """Rows that differ and how far apart the statistics are."""
     pa, pb = pa or {}, pb or {}
     out: dict[str, Any] = {"shape_a": pa.get("shape"), "shape_b": pb.get("shape")}
-    rows_a, rows_b = pa.get("rows"), pb.get("rows")
+    rows_a, rows_b = row_digests(pa), row_digests(pb)
     if rows_a is not None and rows_b is not None:
         differ = [i for i, (x, y) in enumerate(zip(rows_a, rows_b)) if x != y]
         differ += list(range(min(len(rows_a), len(rows_b)), max(len(rows_a), len(rows_b))))
