@@ -58,7 +58,7 @@ def _row_digests(value: Any) -> str:
     object once: rows repeated per sample share theirs)."""
     if isinstance(value, torch.Tensor):
         mixed = _mixed_rows(value.detach(), None, f"{value.dtype}|{tuple(value.shape[1:])}")
-        big_endian = mixed.numpy().view(np.uint64).astype(">u8").view(np.uint8).reshape(-1, 8)
+        big_endian = mixed.view(np.uint64).astype(">u8").view(np.uint8).reshape(-1, 8)
         return big_endian[:, 8 - ROW_HEX // 2:].tobytes().hex()
     seen: dict[int, str] = {}
     out = []
@@ -108,22 +108,22 @@ def _odd(text: str) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-_COLUMN_WEIGHTS: dict[tuple[int, torch.dtype, str], torch.Tensor] = {}
+_COLUMN_WEIGHTS: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
 
-def _column_weights(width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _column_weights(width: int, dtype: torch.dtype) -> torch.Tensor:
     """Fixed odd multipliers, one per column of a row of ``width`` elements: int32 for elements of
     up to 4 bytes (an odd multiplier is a bijection mod 2^32: no bit is lost), int64 above."""
-    key = (width, dtype, str(device))
+    key = (width, dtype)
     if key not in _COLUMN_WEIGHTS:
         g = torch.Generator().manual_seed(1009 * width)
         bound = 1 << (30 if dtype == torch.int32 else 62)
         weights = torch.randint(-bound, bound, (width,), generator=g, dtype=torch.int64) * 2 + 1
-        _COLUMN_WEIGHTS[key] = weights.to(dtype).to(device)
+        _COLUMN_WEIGHTS[key] = weights.to(dtype)
     return _COLUMN_WEIGHTS[key]
 
 
-def _mixed_rows(local: torch.Tensor, first: int | None, key: str) -> torch.Tensor:
+def _mixed_rows(local: torch.Tensor, first: int | None, key: str) -> np.ndarray:
     """Per row of ``local`` (rows: the first dimension; a 1-D tensor's elements), an int64 that
     mixes the row's exact bits, its index ``first + i`` in the whole tensor (``None``: the row's
     content alone, wherever it sits) and ``key``: the row's
@@ -133,29 +133,35 @@ def _mixed_rows(local: torch.Tensor, first: int | None, key: str) -> torch.Tenso
     return _finish(m, None if first is None else _row_index(m.shape[0], first))
 
 
-def _weighted_rows(local: torch.Tensor, key: str) -> torch.Tensor:
-    """:func:`_mixed_rows` before the row index and the finish: each row's bits weighted and summed, plus ``key``."""
+def _weighted_rows(local: torch.Tensor, key: str) -> np.ndarray:
+    """:func:`_mixed_rows` before the row index and the finish: each row's bits weighted and summed,
+    plus ``key`` (int64 per row). In numpy on the CPU (the same wrapping integer products and sums in
+    a fraction of torch's per-operation time: most digested tensors are small); on an accelerator in
+    torch, so that only the per-row sums move."""
     local = local.contiguous()
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
     rows = local.shape[0] if local.dim() else 1
     width = local.numel() // rows if rows else 1
     bits = local.reshape(-1).view(ints).reshape(rows, width)
     wide = torch.int64 if local.element_size() == 8 else torch.int32
-    return (bits * _column_weights(width, wide, bits.device)).sum(dim=1, dtype=torch.int64) + _odd(key)
+    weights = _column_weights(width, wide)
+    if bits.device.type == "cpu":
+        summed = (bits.numpy() * weights.numpy()).sum(axis=1, dtype=np.int64)
+    else:
+        summed = (bits * weights.to(bits.device)).sum(dim=1, dtype=torch.int64).cpu().numpy()
+    return summed + np.int64(_odd(key))
 
 
-def _finish(m: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """The row index (``None``: none) and a splitmix-style finish of :func:`_weighted_rows`, on the
-    CPU (one int64 per row: moving them costs less than finishing them on an accelerator)."""
-    m = m.cpu()
+def _finish(m: np.ndarray, index: np.ndarray | None) -> np.ndarray:
+    """The row index (``None``: none) and a splitmix-style finish of :func:`_weighted_rows`: in
+    uint64, whose shifts are logical and whose products wrap as int64's do (torch's int64 shift
+    is arithmetic)."""
     if index is not None:
-        m = m + index * _odd("row")
-    # in numpy's uint64, whose shifts are logical and whose products wrap as int64's do: the same
-    # bits in a third of the small operations torch needs (its int64 shift is arithmetic)
-    u = m.numpy().view(np.uint64)
+        m = m + index * np.int64(_odd("row"))
+    u = m.view(np.uint64)
     u = (u ^ (u >> np.uint64(31))) * np.uint64(_odd("mix1") % (1 << 64))
     u = (u ^ (u >> np.uint64(29))) * np.uint64(_odd("mix2") % (1 << 64))
-    return torch.from_numpy((u ^ (u >> np.uint64(32))).view(np.int64))
+    return (u ^ (u >> np.uint64(32))).view(np.int64)
 
 
 def _local_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, str, bool] | None:
@@ -191,13 +197,13 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]] | None) -> str | No
         weighted.append(_weighted_rows(local, key))
         index.append(_row_index(weighted[-1].shape[0], first))
         partial = partial or part
-    total = int(_finish(torch.cat(weighted), torch.cat(index)).sum()) % (1 << 64) if weighted else 0
+    total = int(_finish(np.concatenate(weighted), np.concatenate(index)).sum()) % (1 << 64) if weighted else 0
     return ("p:" if partial else "") + f"{total:016x}"
 
 
 @functools.lru_cache(maxsize=4096)
-def _row_index(rows: int, first: int) -> torch.Tensor:
-    return torch.arange(first, first + rows, dtype=torch.int64)
+def _row_index(rows: int, first: int) -> np.ndarray:
+    return np.arange(first, first + rows, dtype=np.int64)
 
 
 def combine_digests(digests: list[str | None]) -> str | None:
