@@ -52,10 +52,9 @@ MASK = "response_mask"
 
 # ---------------------------------------------------------------------- worker side
 def _row_digests(value: Any) -> str:
-    """One digest per row, as one string of :data:`ROW_HEX` hex characters per row (a list of short
-    strings costs more to send and to write than the digests cost to compute): of a tensor row's exact
-    bits (vectorised, :func:`_mixed_rows`; its low 48 bits), of an object's ``repr`` (each distinct
-    object once: rows repeated per sample share theirs)."""
+    """One digest per row, :data:`ROW_HEX` hex characters each, as one string (cheaper to send and write
+    than a list): of a tensor row's exact bits (:func:`_mixed_rows`, its low 48 bits), of an object's
+    ``repr`` (each distinct object once: rows repeated per sample share theirs)."""
     if isinstance(value, torch.Tensor):
         mixed = _mixed_rows(value.detach(), None, f"{value.dtype}|{tuple(value.shape[1:])}")
         big_endian = mixed.view(np.uint64).astype(">u8").view(np.uint8).reshape(-1, 8)
@@ -134,10 +133,9 @@ def _mixed_rows(local: torch.Tensor, first: int | None, key: str) -> np.ndarray:
 
 
 def _weighted_rows(local: torch.Tensor, key: str) -> np.ndarray:
-    """:func:`_mixed_rows` before the row index and the finish: each row's bits weighted and summed,
-    plus ``key`` (int64 per row). In numpy on the CPU (the same wrapping integer products and sums in
-    a fraction of torch's per-operation time: most digested tensors are small); on an accelerator in
-    torch, so that only the per-row sums move."""
+    """:func:`_mixed_rows` before the row index and the finish (int64 per row): in numpy on the CPU (the
+    same wrapping products and sums, a fraction of torch's per-operation time on small tensors); on an
+    accelerator in torch, so that only the per-row sums move."""
     local = local.contiguous()
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
     rows = local.shape[0] if local.dim() else 1
@@ -153,9 +151,8 @@ def _weighted_rows(local: torch.Tensor, key: str) -> np.ndarray:
 
 
 def _finish(m: np.ndarray, index: np.ndarray | None) -> np.ndarray:
-    """The row index (``None``: none) and a splitmix-style finish of :func:`_weighted_rows`: in
-    uint64, whose shifts are logical and whose products wrap as int64's do (torch's int64 shift
-    is arithmetic)."""
+    """The row index (``None``: none) and a splitmix-style finish of :func:`_weighted_rows`, in uint64:
+    logical shifts (torch's int64 shift is arithmetic), products that wrap as int64's do."""
     if index is not None:
         m = m + index * np.int64(_odd("row"))
     u = m.view(np.uint64)
@@ -182,10 +179,9 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]] | None) -> str | No
     over shards: this rank's part of sharded weights is marked ``p:`` (:func:`combine_digests`
     adds the ranks' parts into the whole's).
 
-    The sum mod 2^64 of :func:`_mixed_rows` over every row of every tensor: a sum over disjoint
-    sets of rows equals the whole tensor's, so the digest of weights sharded by rows (FSDP2) is
-    the same at any worker count. The rows of all tensors are finished together (one pass
-    rather than one per tensor: the same values, a fraction of the small operations)."""
+    The sum mod 2^64 of :func:`_mixed_rows` over every row of every tensor (finished together, in one
+    pass): a sum over disjoint sets of rows equals the whole tensor's, so the digest of weights sharded
+    by rows (FSDP2) is the same at any worker count."""
     if named is None:
         return None
     weighted, index, partial = [], [], False
