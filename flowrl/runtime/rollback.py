@@ -23,7 +23,7 @@ A run with no checkpoint yet cannot roll back: it fails, named.
 Example::
 
     for result in rolling(lambda s: runtime.run(source, steps=n - s, start_step=s), 0, roll_back):
-        ...
+        print(result.step, result.metrics["reward/mean"])
 """
 
 from __future__ import annotations
