@@ -69,7 +69,7 @@ def role_memory(graph: Graph) -> dict[str, RoleMemory]:
         if not isinstance(spec, str):
             continue
         model, _ = load_model(spec)  # the causal LM: a value head differs by one layer's parameters
-        c = model.config
+        c = model.config.get_text_config()  # a vision-language model's decoder holds the layers and the KV
         layers, hidden = c.num_hidden_layers, c.hidden_size
         heads = c.num_attention_heads
         kv = getattr(c, "num_key_value_heads", None) or heads

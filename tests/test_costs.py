@@ -4,12 +4,13 @@ checks its plan's prediction against what it measures (``plan/predicted_step_s``
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from flowrl.cli import app
-from flowrl.cli_plan import fit_runs
+from flowrl.cli_plan import fit_runs, role_memory
 from flowrl.graph import load_graph
 from flowrl.runtime.costfit import calibrate_overheads, fit_line, predict_step, solo_seconds
 from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, graph_key,
@@ -242,3 +243,11 @@ def test_the_profile_widens_every_pool_within_the_cores_or_puts_every_role_on_on
     assert load_graph("grpo_async", overrides=wider).check().ok
     monkeypatch.setattr(cli_plan.os, "cpu_count", lambda: 1)
     assert cli_plan.wider_variant(load_graph("grpo"), "grpo", {}) is None
+
+
+def test_a_vision_language_models_memory_is_read_from_its_decoder():
+    # its config nests the decoder (text_config): profile read num_hidden_layers off the top and failed
+    vl = role_memory(load_graph(Path(__file__).resolve().parents[1] / "graphs" / "grpo_vision.yaml"))["actor"]
+    text = role_memory(load_graph("grpo"))["actor"]
+    assert vl.trainable and vl.params > text.params > 0  # the vision tower's parameters counted too
+    assert vl.kv_bytes_per_token > 0 and vl.activation_bytes_per_token > 0
