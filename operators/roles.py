@@ -233,6 +233,13 @@ class Actor(TrainableRole):
                 self._engine = _UnshardedEngine(self._engine, self.model, self.group)
         return self._engine
 
+    def close(self) -> None:
+        """Stop the rollout engine's own processes (vLLM, sglang) when it started any: a run that ends
+        in a process that goes on (the local backend, a notebook) must not keep them and their memory."""
+        engine, self._engine = self._engine, None
+        if engine is not None and hasattr(engine, "shutdown"):
+            engine.shutdown()
+
     def sampling_seeds(self, batch: Any) -> torch.Tensor | None:
         """The rollout seed of each prompt of ``batch``, from its ``uid`` and the run's seed: the same
         samples on whichever rank a prompt lands; ``None`` when the batch has no uids."""

@@ -230,3 +230,31 @@ def test_without_vllm_the_engine_says_how_to_install_it():
     model, tok = load_model("builtin:tiny")
     with pytest.raises(ImportError, match="scripts/vllm_env.sh"):
         build_rollout_engine("vllm", EngineSource(model, tok, "builtin:tiny", seed=0))
+
+
+def test_a_run_on_vllm_trains_and_its_engine_processes_end_with_it(tmp_path):
+    """``flowrl run`` end to end on the local backend: the update pushes into vLLM and checks it, and
+    the engine's processes end with the run, not with the Python process (a notebook, seeds.py)."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed here")
+    import psutil
+
+    from flowrl.graph import load_graph
+    from flowrl.runtime.trainer import Trainer
+
+    def engines() -> set[int]:  # vLLM names its processes VLLM::EngineCore, VLLM::Worker
+        return {p.pid for p in psutil.Process().children(recursive=True)
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and p.name().startswith("VLLM")}
+
+    before = engines()
+    graph = load_graph("grpo", overrides={"roles.actor.rollout.engine": "vllm", "data.batch_size": 4,
+                                          "roles.actor.rollout.engine_kwargs.kv_cache_mib": 64,
+                                          "nodes.generate.n": 2, "trainer.val_every": 0,
+                                          "trainer.checkpoint_every": 0})
+    rows = Trainer(graph, backend="local", steps=2, out=tmp_path, say=lambda _: None).run()
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["actor/rollout/weight_check_max_diff"] <= 1e-3 for r in rows)
+    assert rows[-1]["actor/rollout/engine_rss_mb"] > 50
+    left = [psutil.Process(pid) for pid in engines() - before]
+    _, alive = psutil.wait_procs(left, timeout=30)  # vLLM's engine-core and worker processes end
+    assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
