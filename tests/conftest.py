@@ -20,7 +20,9 @@ def ray_session():
     ray = pytest.importorskip("ray")
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+        # a Ray of its own (address="local"): a bare ray.init() joins any cluster another process
+        # on the machine started, and then refuses num_cpus
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
         started = True
     yield ray

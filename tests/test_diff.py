@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from flowrl.cli import app, parse_overrides
 from flowrl.graph import load_graph
-from flowrl.runtime.rundiff import diff_runs
+from flowrl.runtime.rundiff import FingerprintFileError, diff_runs
 from flowrl.runtime.trainer import Trainer
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
@@ -62,6 +62,15 @@ def test_graphs_that_differ_are_said_and_a_missing_file_is_named(runs, tmp_path)
     assert any("advantage" in d and "op" in d for d in report["graph_differences"])
     res = CliRunner().invoke(app, ["diff", str(runs["a"]), str(tmp_path / "nowhere")])
     assert res.exit_code == 2 and str(tmp_path / "nowhere" / "fingerprints.jsonl") in res.stderr
+    # fingerprints of an older digest format are not compared with this one's
+    lines = (runs["a"] / "fingerprints.jsonl").read_text().splitlines()
+    old = json.loads(lines[0])
+    del old["header"]["format"]
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "fingerprints.jsonl").write_text("\n".join([json.dumps(old), *lines[1:]]) + "\n")
+    with pytest.raises(FingerprintFileError, match="format 2.*format 1"):
+        diff_runs(runs["b"], tmp_path / "old")
+    assert CliRunner().invoke(app, ["diff", str(tmp_path / "old"), str(runs["a"])]).exit_code == 2
 
 
 def test_the_default_job_at_one_and_two_workers_parts_at_the_sharded_update(ray_session, tmp_path):

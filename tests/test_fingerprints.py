@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from flowrl.graph import load_graph
-from flowrl.runtime.fingerprints import field_print, step_record, weights_digest
-from flowrl.runtime.rundiff import FingerprintFileError, read_prints, row_digests
+from flowrl.runtime.digest import combine_digests, weights_digest
+from flowrl.runtime.fingerprints import field_print, step_record
+from flowrl.runtime.rundiff import FORMAT, FingerprintFileError, read_prints, row_digests
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.trainer import Trainer
 from tests.test_runtime import BIG, batches, graph_from
@@ -81,6 +82,19 @@ def test_a_run_writes_fingerprints_per_step_with_the_weights_each_node_ran_on(tm
     _, straight = read_prints(tmp_path / "straight")
     assert [r["step"] for r in resumed] == [1, 2, 3]
     assert [r["nodes"] for r in resumed] == [r["nodes"] for r in straight]
+    # a file an older flowrl wrote (digest format 1) is kept aside on a resume, and a new one starts
+    path = tmp_path / "fingerprints.jsonl"
+    lines = path.read_text().splitlines()
+    old = json.loads(lines[0])
+    del old["header"]["format"]
+    path.write_text("\n".join([json.dumps(old), *lines[1:]]) + "\n")
+    before = path.read_text()
+    said: list[str] = []
+    Trainer(g, backend="local", steps=4, out=tmp_path, resume=True, say=said.append).run()
+    assert (tmp_path / "fingerprints.format1.jsonl").read_text() == before
+    header, records = read_prints(tmp_path)
+    assert header["format"] == FORMAT == 2 and [r["step"] for r in records] == [4]
+    assert any("fingerprints.format1.jsonl" in m for m in said)
 
 
 def test_fingerprints_can_be_turned_off_and_a_damaged_file_is_named(tmp_path):
@@ -117,7 +131,6 @@ def test_the_digest_of_weights_sharded_by_rows_is_the_whole_weights_digest():
 
     import torch.multiprocessing as mp
 
-    from flowrl.runtime.fingerprints import combine_digests
 
     weights = {"w": torch.randn(5, 3), "b": torch.randn(7), "h": torch.randn(4, 6).to(torch.bfloat16)}
     with socket.socket() as s:

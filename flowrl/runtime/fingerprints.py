@@ -24,7 +24,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
@@ -34,14 +33,14 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import numpy as np
 import torch
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from flowrl.data import DataProto
 from flowrl.data.dispatch import ROW_INDEX, task_rows
 from flowrl.data.metrics import measured
 from flowrl.graph import Graph
+from flowrl.runtime.digest import combine_digests, mixed_rows, weights_digest
 from flowrl.runtime.invariants import Invariants
-from flowrl.runtime.rundiff import FILE, ROW_HEX, SOURCE, row_digests
+from flowrl.runtime.rundiff import FILE, FORMAT, ROW_HEX, SOURCE, format_of, row_digests
 from flowrl.runtime.sinks import read_metrics
 
 if TYPE_CHECKING:
@@ -53,10 +52,10 @@ MASK = "response_mask"
 # ---------------------------------------------------------------------- worker side
 def _row_digests(value: Any) -> str:
     """One digest per row, :data:`ROW_HEX` hex characters each, as one string (cheaper to send and write
-    than a list): of a tensor row's exact bits (:func:`_mixed_rows`, its low 48 bits), of an object's
+    than a list): of a tensor row's exact bits (:func:`~flowrl.runtime.digest.mixed_rows`, its low 48 bits), of an object's
     ``repr`` (each distinct object once: rows repeated per sample share theirs)."""
     if isinstance(value, torch.Tensor):
-        mixed = _mixed_rows(value.detach(), None, f"{value.dtype}|{tuple(value.shape[1:])}")
+        mixed = mixed_rows(value.detach(), None, f"{value.dtype}|{tuple(value.shape[1:])}")
         big_endian = mixed.view(np.uint64).astype(">u8").view(np.uint8).reshape(-1, 8)
         return big_endian[:, 8 - ROW_HEX // 2:].tobytes().hex()
     seen: dict[int, str] = {}
@@ -98,116 +97,6 @@ def field_print(value: Any, mask: torch.Tensor | None = None) -> dict[str, Any]:
     else:
         shape, dtype, stats = [len(value)], "object", {}
     return {"rows": _row_digests(value), "shape": shape, "dtype": dtype, **stats}
-
-
-@functools.lru_cache(maxsize=4096)
-def _odd(text: str) -> int:
-    """A 64-bit odd multiplier from ``text``, as torch's signed int64 holds it."""
-    v = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") | 1
-    return v - (1 << 64) if v >= 1 << 63 else v
-
-
-_COLUMN_WEIGHTS: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-
-
-def _column_weights(width: int, dtype: torch.dtype) -> torch.Tensor:
-    """Fixed odd multipliers, one per column of a row of ``width`` elements: int32 for elements of
-    up to 4 bytes (an odd multiplier is a bijection mod 2^32: no bit is lost), int64 above."""
-    key = (width, dtype)
-    if key not in _COLUMN_WEIGHTS:
-        g = torch.Generator().manual_seed(1009 * width)
-        bound = 1 << (30 if dtype == torch.int32 else 62)
-        weights = torch.randint(-bound, bound, (width,), generator=g, dtype=torch.int64) * 2 + 1
-        _COLUMN_WEIGHTS[key] = weights.to(dtype)
-    return _COLUMN_WEIGHTS[key]
-
-
-def _mixed_rows(local: torch.Tensor, first: int | None, key: str) -> np.ndarray:
-    """Per row of ``local`` (rows: the first dimension; a 1-D tensor's elements), an int64 that
-    mixes the row's exact bits, its index ``first + i`` in the whole tensor (``None``: the row's
-    content alone, wherever it sits) and ``key``: the row's
-    bits weighted by fixed odd multipliers per column and summed, then a splitmix-style finish
-    (every output bit depends on every input bit)."""
-    m = _weighted_rows(local, key)
-    return _finish(m, None if first is None else _row_index(m.shape[0], first))
-
-
-def _weighted_rows(local: torch.Tensor, key: str) -> np.ndarray:
-    """:func:`_mixed_rows` before the row index and the finish (int64 per row): in numpy on the CPU (the
-    same wrapping products and sums, a fraction of torch's per-operation time on small tensors); on an
-    accelerator in torch, so that only the per-row sums move."""
-    local = local.contiguous()
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
-    rows = local.shape[0] if local.dim() else 1
-    width = local.numel() // rows if rows else 1
-    bits = local.reshape(-1).view(ints).reshape(rows, width)
-    wide = torch.int64 if local.element_size() == 8 else torch.int32
-    weights = _column_weights(width, wide)
-    if bits.device.type == "cpu":
-        summed = (bits.numpy() * weights.numpy()).sum(axis=1, dtype=np.int64)
-    else:
-        summed = (bits * weights.to(bits.device)).sum(dim=1, dtype=torch.int64).cpu().numpy()
-    return summed + np.int64(_odd(key))
-
-
-def _finish(m: np.ndarray, index: np.ndarray | None) -> np.ndarray:
-    """The row index (``None``: none) and a splitmix-style finish of :func:`_weighted_rows`, in uint64:
-    logical shifts (torch's int64 shift is arithmetic), products that wrap as int64's do."""
-    if index is not None:
-        m = m + index * np.int64(_odd("row"))
-    u = m.view(np.uint64)
-    u = (u ^ (u >> np.uint64(31))) * np.uint64(_odd("mix1") % (1 << 64))
-    u = (u ^ (u >> np.uint64(29))) * np.uint64(_odd("mix2") % (1 << 64))
-    return (u ^ (u >> np.uint64(32))).view(np.int64)
-
-
-def _local_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, str, bool] | None:
-    """This rank's rows of ``t``, the index of the first in the whole tensor, the digest's key and
-    whether they are a part; ``None`` for a part that is not whole rows."""
-    local, first, shape = t, 0, list(t.shape)
-    part = hasattr(t, "to_local") and t.device_mesh.size() > 1
-    if hasattr(t, "to_local"):
-        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-        if list(local_shape[1:]) != shape[1:]:
-            return None
-        first, local = int(offset[0]) if offset else 0, t.to_local()
-    return local.detach(), first, f"{name}|{t.dtype}|{tuple(shape)}", part
-
-
-def weights_digest(named: Iterable[tuple[str, torch.Tensor]] | None) -> str | None:
-    """A 64-bit digest of ``(name, tensor)`` pairs (names, dtypes, shapes, exact bits), additive
-    over shards: this rank's part of sharded weights is marked ``p:`` (:func:`combine_digests`
-    adds the ranks' parts into the whole's).
-
-    The sum mod 2^64 of :func:`_mixed_rows` over every row of every tensor (finished together, in one
-    pass): a sum over disjoint sets of rows equals the whole tensor's, so the digest of weights sharded
-    by rows (FSDP2) is the same at any worker count."""
-    if named is None:
-        return None
-    weighted, index, partial = [], [], False
-    for name, t in named:
-        rows = _local_rows(name, t)
-        if rows is None:  # sharded other than by rows: no digest rather than a wrong one
-            return None
-        local, first, key, part = rows
-        weighted.append(_weighted_rows(local, key))
-        index.append(_row_index(weighted[-1].shape[0], first))
-        partial = partial or part
-    total = int(_finish(np.concatenate(weighted), np.concatenate(index)).sum()) % (1 << 64) if weighted else 0
-    return ("p:" if partial else "") + f"{total:016x}"
-
-
-@functools.lru_cache(maxsize=4096)
-def _row_index(rows: int, first: int) -> np.ndarray:
-    return np.arange(first, first + rows, dtype=np.int64)
-
-
-def combine_digests(digests: list[str | None]) -> str | None:
-    """One digest from the ranks' :func:`weights_digest`: parts (``p:``) added, else the first."""
-    parts = [d for d in digests if d is not None and d.startswith("p:")]
-    if not parts:
-        return next((d for d in digests if d is not None), None)
-    return f"{sum(int(d[2:], 16) for d in parts) % (1 << 64):016x}"
 
 
 def role_weights(role_obj: Any) -> str | None:
@@ -347,7 +236,7 @@ def graph_header(graph: Graph) -> dict[str, Any]:
                        "writes": sorted(node.output_names()), "role": node.role,
                        "params": _plain(node.params.model_dump()) if node.params is not None else {}}
     roles = {r: (cfg.from_ or r) for r, cfg in graph.config.roles.items()}
-    return {"header": {"graph": graph.name, "order": order, "nodes": nodes, "lineage": roles}}
+    return {"header": {"graph": graph.name, "format": FORMAT, "order": order, "nodes": nodes, "lineage": roles}}
 
 
 def _plain(value: Any) -> Any:
@@ -365,10 +254,16 @@ class FingerprintLog:
         self.checks = Invariants(graph_header(graph)["header"], say, fatal) if check else None
         kept = []
         if keep_through > 0 and self.path.is_file():  # a resume: the steps after the checkpoint run again
-            kept = [line for line, row in read_metrics(self.path, warn=say)
+            kept = [(line, row) for line, row in read_metrics(self.path, warn=say)
                     if "header" in row or row.get("step", 0) <= keep_through]
+        old = format_of(kept[0][1].get("header", {})) if kept else FORMAT
+        if old != FORMAT:  # written by an older flowrl: its digests are not comparable with this one's
+            os.replace(self.path, self.path.with_name(f"fingerprints.format{old}.jsonl"))
+            say(f"{self.path}: fingerprint format {old}, this flowrl writes {FORMAT}; the old file is kept as "
+                f"fingerprints.format{old}.jsonl and a new one starts here")
+            kept = []
         self.file = self.path.open("w")
-        for line in kept or [json.dumps(graph_header(graph))]:
+        for line in [line for line, _ in kept] or [json.dumps(graph_header(graph))]:
             self.file.write(line + "\n")
         self.file.flush()
 
@@ -396,5 +291,5 @@ class FingerprintLog:
             self.file.close()
 
 
-__all__ = ["FingerprintLog", "WeightDigests", "combine_digests", "field_print", "graph_header", "role_weights", "source_prints", "step_record",
-           "task_prints", "weights_digest"]
+__all__ = ["FingerprintLog", "WeightDigests", "field_print", "graph_header", "role_weights", "source_prints", "step_record",
+           "task_prints"]

@@ -36,6 +36,14 @@ WEIGHTS = "weights"
 SHOWN_ROWS = 8
 #: hex characters of one row's digest (48 bits: enough to point at the rows that differ)
 ROW_HEX = 12
+#: how the digests are computed, in the header (``format``; none: 1). 2: rows read as 64-bit words
+#: rather than 32-bit ones (half the products). Digests of different formats are not comparable.
+FORMAT = 2
+
+
+def format_of(header: dict[str, Any]) -> int:
+    """The digest format a fingerprints header was written with."""
+    return int(header.get("format", 1))
 
 
 def row_digests(fp: dict[str, Any]) -> list[str]:
@@ -148,6 +156,11 @@ def diff_runs(run_a: Path, run_b: Path, warn: Callable[[str], None] = lambda m: 
     """Compare two runs' fingerprints (see the module docstring); reads, never writes."""
     ha, recs_a = read_prints(run_a, warn)
     hb, recs_b = read_prints(run_b, warn)
+    if format_of(ha) != format_of(hb):
+        raise FingerprintFileError(
+            f"{run_a} has fingerprints of format {format_of(ha)} and {run_b} of format {format_of(hb)}: the "
+            f"digests are computed differently (format 2, since flowrl computes them over 64-bit words), so "
+            f"they cannot be compared; run the older one again with this flowrl")
     structure, params = graph_differences(ha, hb)
     by_step_b = {r["step"]: r for r in recs_b}
     common = [r for r in recs_a if r["step"] in by_step_b]
@@ -186,4 +199,4 @@ def diff_runs(run_a: Path, run_b: Path, warn: Callable[[str], None] = lambda m: 
     }
 
 
-__all__ = ["FILE", "SOURCE", "WEIGHTS", "FingerprintFileError", "diff_runs", "graph_differences", "read_prints"]
+__all__ = ["FILE", "FORMAT", "SOURCE", "WEIGHTS", "format_of", "FingerprintFileError", "diff_runs", "graph_differences", "read_prints"]

@@ -1,0 +1,140 @@
+"""Digests of tensors: 64-bit sums of mixed rows, exact in every bit and additive over row shards.
+
+A row's digest weights its bytes, read as 64-bit words, by fixed odd multipliers,
+sums them with wrapping int64 arithmetic (one integer matmul on the CPU), mixes in
+the row's index and a key (name, dtype, shape), and finishes with a splitmix-style
+mix. A tensor's digest is the sum of its rows' mod 2^64, so the parts of weights
+sharded by rows (FSDP2) add up to the whole's at any worker count. Used by
+:mod:`flowrl.runtime.fingerprints` for node outputs (one digest per row) and for
+a role's weights (one digest for all).
+
+Example::
+
+    weights_digest(model.state_dict().items())   # 16 hex digits, the same for every copy of these weights
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from typing import Iterable
+
+import numpy as np
+import torch
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+
+@functools.lru_cache(maxsize=4096)
+def _odd(text: str) -> int:
+    """A 64-bit odd multiplier from ``text``, as torch's signed int64 holds it."""
+    v = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") | 1
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+_COLUMN_WEIGHTS: dict[int, torch.Tensor] = {}
+
+
+def _column_weights(width: int) -> torch.Tensor:
+    """Fixed odd int64 multipliers, one per 64-bit word of a row of ``width`` words (an odd multiplier
+    is a bijection mod 2^64: no bit is lost)."""
+    if width not in _COLUMN_WEIGHTS:
+        g = torch.Generator().manual_seed(1009 * width)
+        _COLUMN_WEIGHTS[width] = torch.randint(-(1 << 62), 1 << 62, (width,), generator=g, dtype=torch.int64) * 2 + 1
+    return _COLUMN_WEIGHTS[width]
+
+
+def mixed_rows(local: torch.Tensor, first: int | None, key: str) -> np.ndarray:
+    """Per row of ``local`` (rows: the first dimension; a 1-D tensor's elements), an int64 that
+    mixes the row's exact bits, its index ``first + i`` in the whole tensor (``None``: the row's
+    content alone, wherever it sits) and ``key``: the row's
+    64-bit words weighted by fixed odd multipliers and summed, then a splitmix-style finish
+    (every output bit depends on every input bit)."""
+    m = _weighted_rows(local, key)
+    return _finish(m, None if first is None else _row_index(m.shape[0], first))
+
+
+def _weighted_rows(local: torch.Tensor, key: str) -> np.ndarray:
+    """:func:`mixed_rows` before the row index and the finish (int64 per row): each row's bytes as
+    64-bit words (a row whose bytes are not a whole number of words: each element widened to one),
+    weighted and summed with wrapping int64 arithmetic, as a product with the column weights — on the
+    CPU numpy's integer matmul (no temporary, half the products of 32-bit words: format
+    :data:`~flowrl.runtime.rundiff.FORMAT` 2), on an accelerator in torch, so that only the sums move."""
+    local = local.contiguous()
+    size = local.element_size()
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    rows = local.shape[0] if local.dim() else 1
+    width = local.numel() // rows if rows else 1
+    bits = local.reshape(-1).view(ints).reshape(rows, width)
+    if size < 8 and (width * size) % 8 == 0 and (bits.storage_offset() * size) % 8 == 0:
+        words = bits.view(torch.int64)
+    else:
+        words = bits.to(torch.int64)
+    weights = _column_weights(words.shape[1])
+    if words.device.type == "cpu":
+        summed = words.numpy() @ weights.numpy()
+    else:
+        summed = (words * weights.to(words.device)).sum(dim=1).cpu().numpy()
+    return summed + np.int64(_odd(key))
+
+
+def _finish(m: np.ndarray, index: np.ndarray | None) -> np.ndarray:
+    """The row index (``None``: none) and a splitmix-style finish of :func:`_weighted_rows`, in uint64:
+    logical shifts (torch's int64 shift is arithmetic), products that wrap as int64's do."""
+    if index is not None:
+        m = m + index * np.int64(_odd("row"))
+    u = m.view(np.uint64)
+    u = (u ^ (u >> np.uint64(31))) * np.uint64(_odd("mix1") % (1 << 64))
+    u = (u ^ (u >> np.uint64(29))) * np.uint64(_odd("mix2") % (1 << 64))
+    return (u ^ (u >> np.uint64(32))).view(np.int64)
+
+
+def _local_rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, int, str, bool] | None:
+    """This rank's rows of ``t``, the index of the first in the whole tensor, the digest's key and
+    whether they are a part; ``None`` for a part that is not whole rows."""
+    local, first, shape = t, 0, list(t.shape)
+    part = hasattr(t, "to_local") and t.device_mesh.size() > 1
+    if hasattr(t, "to_local"):
+        local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if list(local_shape[1:]) != shape[1:]:
+            return None
+        first, local = int(offset[0]) if offset else 0, t.to_local()
+    return local.detach(), first, f"{name}|{t.dtype}|{tuple(shape)}", part
+
+
+def weights_digest(named: Iterable[tuple[str, torch.Tensor]] | None) -> str | None:
+    """A 64-bit digest of ``(name, tensor)`` pairs (names, dtypes, shapes, exact bits), additive
+    over shards: this rank's part of sharded weights is marked ``p:`` (:func:`combine_digests`
+    adds the ranks' parts into the whole's).
+
+    The sum mod 2^64 of :func:`mixed_rows` over every row of every tensor (finished together, in one
+    pass): a sum over disjoint sets of rows equals the whole tensor's, so the digest of weights sharded
+    by rows (FSDP2) is the same at any worker count."""
+    if named is None:
+        return None
+    weighted, index, partial = [], [], False
+    for name, t in named:
+        rows = _local_rows(name, t)
+        if rows is None:  # sharded other than by rows: no digest rather than a wrong one
+            return None
+        local, first, key, part = rows
+        weighted.append(_weighted_rows(local, key))
+        index.append(_row_index(weighted[-1].shape[0], first))
+        partial = partial or part
+    total = int(_finish(np.concatenate(weighted), np.concatenate(index)).sum()) % (1 << 64) if weighted else 0
+    return ("p:" if partial else "") + f"{total:016x}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_index(rows: int, first: int) -> np.ndarray:
+    return np.arange(first, first + rows, dtype=np.int64)
+
+
+def combine_digests(digests: list[str | None]) -> str | None:
+    """One digest from the ranks' :func:`weights_digest`: parts (``p:``) added, else the first."""
+    parts = [d for d in digests if d is not None and d.startswith("p:")]
+    if not parts:
+        return next((d for d in digests if d is not None), None)
+    return f"{sum(int(d[2:], 16) for d in parts) % (1 << 64):016x}"
+
+
+__all__ = ["combine_digests", "mixed_rows", "weights_digest"]
