@@ -37,7 +37,8 @@ MICRO_BATCHES = (1, 2, 4, 8)
 WORKERS = (1, 2, 4, 8, 16, 32, 64)
 ASSUMPTIONS = (
     "a data-parallel pass on a worker count never profiled takes fixed + per-row × its rows / ranks (rows "
-    "split evenly, the measured per-row cost); a profiled worker count uses the slowdown measured there",
+    "split evenly, the measured per-row cost); a profiled worker count uses the line measured there (from "
+    "two row counts; from one, the line scaled by the slowdown measured there)",
     "an update on N ranks adds a gradient all-reduce of 2(N-1)/N × its weights at the measured bytes/s",
     "a weight sync to another pool costs the measured fixed + bytes/s; nodes add no network cost beyond it",
     "workers share the budget's CPU cores: while more processes run than there are cores, each runs "
