@@ -190,20 +190,12 @@ def read_run(run_dir: Path, traits: Any, warn: Callable[[str], None]) -> tuple[G
     return graph, make_plan(graph, traits), records, rows
 
 
-def plans(ref: str, overrides: dict[str, Any], traits: Any) -> bool:
-    """Whether the graph with ``overrides`` checks and plans (a profiling run of it can start)."""
-    try:
-        g = load_graph(ref, overrides=overrides)
-        return g.check().ok and make_plan(g, traits) is not None
-    except (GraphError, PlanError):
-        return False
-
-
-def farthest_micro_batches(k: int, prompts: int) -> int | None:
-    """The micro-batch count the search tries that is farthest (by ratio) from the graph's ``k``, within
-    its ``prompts``: profiled too, the fitted lines span every row count the search predicts (a line
-    from ``k`` and ``2k`` missed the tasks of a quarter and an eighth of those rows by up to a third)."""
-    others = [m for m in MICRO_BATCHES if m <= prompts and m != k]
+def farthest_micro_batches(k: int, prompts: int, workers: int = 1) -> int | None:
+    """The micro-batch count the search tries that is farthest (by ratio) from the graph's ``k`` and gives
+    each of a pool's ``workers`` ranks a prompt of each of its ``prompts``' micro-batches: profiled too,
+    the fitted lines span every row count the search predicts (a line from ``k`` and ``2k`` missed the
+    tasks of a quarter and an eighth of those rows by up to a third)."""
+    others = [m for m in MICRO_BATCHES if m * workers <= prompts and m != k]
     return max(others, key=lambda m: (abs(math.log(m / k)), m)) if others else None
 
 
@@ -247,8 +239,9 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
         variants: list[dict[str, Any]] = [{"schedule.micro_batches": m} for m in counts]
         wider = wider_variant(graph, ref, base)
         if wider is not None:
-            variants += [v for v in ({"schedule.micro_batches": m, **wider} for m in counts)
-                         if m == k or plans(ref, {**base, **v}, traits)]
+            most = max(p.workers for p in load_graph(ref, overrides={**base, **wider}).config.pools.values())
+            far = farthest_micro_batches(k, graph.config.data.batch_size, most)
+            variants += [{"schedule.micro_batches": m, **wider} for m in ([k] if far is None else [k, far])]
         if len(variants) > 1:  # the first again: how far the machine's speed drifted while profiling
             variants.append(dict(variants[0]))
         home = Path(out or graph.config.trainer.out or f"runs/{graph.name}")

@@ -111,6 +111,7 @@ def test_the_profile_adds_the_micro_batch_count_farthest_from_the_graphs():
     assert farthest_micro_batches(1, 64) == 8 and farthest_micro_batches(2, 64) == 8
     assert farthest_micro_batches(8, 64) == 1 and farthest_micro_batches(1, 4) == 4
     assert farthest_micro_batches(1, 1) is None
+    assert farthest_micro_batches(1, 8, workers=2) == 4  # a prompt for each rank of each micro-batch
 
 
 def test_a_trace_reads_back_as_the_records_it_was_written_from(tmp_path):

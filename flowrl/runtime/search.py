@@ -143,7 +143,10 @@ def candidates(graph: Graph, budget: Budget) -> Iterator[dict[str, Any]]:
     own = graph.config.schedule.staleness
     stalenesses = [own] if budget.max_staleness is None else list(range(budget.max_staleness + 1))
     for pools in pool_layouts(graph, budget):
-        for k in (m for m in MICRO_BATCHES if m <= prompts):
+        most = max(p["workers"] for p in pools.values())
+        # generation keeps a prompt's samples on one rank: fewer prompts in a micro-batch than ranks leaves
+        # a rank nothing to generate (the run then fails on the empty shard)
+        for k in (m for m in MICRO_BATCHES if m * most <= prompts):
             for s in stalenesses:
                 for micro in micro_sizes:
                     out: dict[str, Any] = {"pools": pools, "schedule.micro_batches": k, "schedule.staleness": s}
