@@ -234,7 +234,8 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
         if not graph.check().ok:
             raise CommandError(f"{ref}: the graph has errors; run `flowrl validate {ref}` to see them")
         k = graph.config.schedule.micro_batches
-        far = farthest_micro_batches(k, graph.config.data.batch_size)
+        far = farthest_micro_batches(k, graph.config.data.batch_size,
+                                     max(p.workers for p in graph.config.pools.values()))
         counts = [k] if far is None else [k, far]
         variants: list[dict[str, Any]] = [{"schedule.micro_batches": m} for m in counts]
         wider = wider_variant(graph, ref, base)
