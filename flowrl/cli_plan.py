@@ -1,9 +1,11 @@
 """``flowrl profile`` and ``flowrl plan --search``: costs measured from a run, configurations searched.
 
 ``flowrl profile GRAPH --steps K`` runs the graph briefly (then once more with
-twice the micro-batches, so a node's fixed cost per task is told from its cost
-per row, and once with twice the workers where the machine has the cores, so
-data parallelism is measured rather than assumed) and writes ``costs.json`` into the run directory; ``flowrl profile
+the micro-batch count the search tries that is farthest from the graph's, so a
+node's fixed cost per task is told from its cost per row over every row count
+the search predicts, both again on twice the workers where the machine has the
+cores, so data parallelism is measured rather than assumed, and the first run
+once more, for the machine's drift) and writes ``costs.json`` into the run directory; ``flowrl profile
 RUN_DIR`` fits one from a run that already happened (its ``trace.json`` when
 written with ``--trace``, else the ``timing/<node>`` of its ``metrics.jsonl``).
 ``flowrl plan GRAPH --search --costs FILE --cpus N`` ranks the configurations
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -36,7 +39,7 @@ from flowrl.runtime.costs import (COST_FILE, GIB, WARMUP, CostFile, CostFileErro
                                   Transfer, graph_key, load_costs, records_of, save_costs, task_records)
 from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.plan import Plan, PlanError, make_plan
-from flowrl.runtime.search import ASSUMPTIONS, Budget, SearchError, SearchResult, describe, search, why
+from flowrl.runtime.search import ASSUMPTIONS, MICRO_BATCHES, Budget, SearchError, SearchResult, describe, search, why
 from flowrl.runtime.sinks import MetricsFileError, read_metrics
 from flowrl.runtime.trainer import Trainer
 from flowrl.runtime.traits import traits_of
@@ -103,9 +106,10 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
              transfer: Transfer, cpus: float | None = None, drift: bool = False) -> CostFile:
     """A cost file from one or more runs of ``graph`` (each: its plan, task records, metric rows) on a
     machine of ``cpus`` cores (default: this one's). The runs with the first run's worker counts fit
-    each node's line on the seconds its tasks would have taken with a core each; runs on other worker
-    counts give each node's factor against its line there (:func:`~flowrl.runtime.costfit.world_factors`);
-    then the per-task latency and per-step overhead the runs' step intervals hold beyond their tasks.
+    each node's line on the seconds its tasks would have taken with a core each; the runs on other worker
+    counts (pooled where they have the same ones) give each node's factor against its line there, and its
+    line there from two row counts (:func:`~flowrl.runtime.costfit.world_factors`); then the per-task
+    latency and per-step overhead the runs' step intervals hold beyond their tasks.
 
     ``drift``: the last run repeats the first, so how much slower (or faster) the machine got while
     profiling is measured; each run's seconds are divided by that drift, taken as growing evenly from
@@ -138,9 +142,14 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
     nodes = {n: fit_line(samples[n]) if n in samples else NodeCost(fit="fixed") for n in graph.nodes}
     for n, line in nodes.items():
         line.residual = residuals(line, samples.get(n, []))
+    wider: dict[str, tuple[Plan, dict[str, list]]] = {}  # runs on the same other worker counts: pooled
     for i, (plan, _, _) in enumerate(runs):
         if workers(plan) != base:
-            world_factors(nodes, plan, samples_of(i), base)
+            _, pooled = wider.setdefault(json.dumps(workers(plan), sort_keys=True), (plan, {}))
+            for node, xs in samples_of(i).items():
+                pooled.setdefault(node, []).extend(xs)
+    for plan, pooled in wider.values():
+        world_factors(nodes, plan, pooled, base)
     lengths = [r["response_length/max"] for _, _, rows in runs for r in rows if "response_length/max" in r]
     pools = [{p: c.workers for p, c in plan.graph.config.pools.items()} for plan, _, _ in runs]
     costs = CostFile(graph=graph.name, key=graph_key(graph), source=source, nodes=nodes, transfer=transfer,
@@ -157,7 +166,10 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
 def fit_report(costs: CostFile) -> list[str]:
     """What a profile fitted, a line per node (its line, how far from its samples) and the overheads."""
     out = [f"{n}: {c.fixed_s * 1e3:.1f} ms + {c.per_row_s * 1e3:.3f} ms/row ({c.fit}, {c.samples} tasks, median "
-           f"residual {c.residual:.0%})" + "".join(f", ×{f:.2f} on {w} workers" for w, f in c.world_factor.items())
+           f"residual {c.residual:.0%})" + "".join(
+               f", ×{f:.2f} on {w} workers" + (f" ({c.world_line[w][0] * 1e3:.1f} ms + {c.world_line[w][1] * 1e3:.3f} "
+                                               f"ms/row)" if w in c.world_line else "")
+               for w, f in c.world_factor.items())
            for n, c in costs.nodes.items()]
     drift = costs.measured_with.get("drift", 1.0)
     return out + [f"task latency {costs.task_latency_s * 1e3:.1f} ms, driver work per step "
@@ -176,6 +188,15 @@ def read_run(run_dir: Path, traits: Any, warn: Callable[[str], None]) -> tuple[G
     trace = run_dir / "trace.json"
     records = task_records(json.loads(trace.read_text())) if trace.is_file() else []
     return graph, make_plan(graph, traits), records, rows
+
+
+def farthest_micro_batches(k: int, prompts: int, workers: int = 1) -> int | None:
+    """The micro-batch count the search tries that is farthest (by ratio) from the graph's ``k`` and gives
+    each of a pool's ``workers`` ranks a prompt of each of its ``prompts``' micro-batches: profiled too,
+    the fitted lines span every row count the search predicts (a line from ``k`` and ``2k`` predicted
+    grpo_tools' generate of 8 micro-batches 37% short)."""
+    others = [m for m in MICRO_BATCHES if m * workers <= prompts and m != k]
+    return max(others, key=lambda m: (abs(math.log(m / k)), m)) if others else None
 
 
 def wider_variant(graph: Graph, ref: str, base: dict[str, Any]) -> dict[str, Any] | None:
@@ -213,12 +234,15 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
         if not graph.check().ok:
             raise CommandError(f"{ref}: the graph has errors; run `flowrl validate {ref}` to see them")
         k = graph.config.schedule.micro_batches
-        variants: list[dict[str, Any]] = [{"schedule.micro_batches": k}]
-        if 2 * k <= graph.config.data.batch_size:
-            variants.append({"schedule.micro_batches": 2 * k})
+        far = farthest_micro_batches(k, graph.config.data.batch_size,
+                                     max(p.workers for p in graph.config.pools.values()))
+        counts = [k] if far is None else [k, far]
+        variants: list[dict[str, Any]] = [{"schedule.micro_batches": m} for m in counts]
         wider = wider_variant(graph, ref, base)
         if wider is not None:
-            variants.append({"schedule.micro_batches": k, **wider})
+            most = max(p.workers for p in load_graph(ref, overrides={**base, **wider}).config.pools.values())
+            far = farthest_micro_batches(k, graph.config.data.batch_size, most)
+            variants += [{"schedule.micro_batches": m, **wider} for m in ([k] if far is None else [k, far])]
         if len(variants) > 1:  # the first again: how far the machine's speed drifted while profiling
             variants.append(dict(variants[0]))
         home = Path(out or graph.config.trainer.out or f"runs/{graph.name}")

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from flowrl.cli import app
-from flowrl.cli_plan import fit_runs, role_memory
+from flowrl.cli_plan import farthest_micro_batches, fit_runs, role_memory
 from flowrl.graph import load_graph
 from flowrl.runtime.costfit import calibrate_overheads, fit_line, predict_step, solo_seconds
 from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, graph_key,
@@ -23,15 +23,18 @@ TRUTH = {"generate": (0.05, 0.002), "reward": (0.01, 0.0001), "advantage": (0.00
          "update_actor": (0.1, 0.004)}
 
 
-def records(plan, steps: int = 4, slower: float = 1.0, slower_all: float = 1.0) -> list[Record]:
+def records(plan, steps: int = 4, slower: float = 1.0, slower_all: float = 1.0, extra: float = 0.0) -> list[Record]:
     """What a run of ``plan`` would record if every task took exactly the synthetic truth
-    (``slower`` times it on a pool of more than one worker, ``slower_all`` times it everywhere)."""
+    (``slower`` times it and ``extra`` seconds more on a pool of more than one worker, ``slower_all``
+    times it everywhere)."""
     out, t = [], 0.0
     for step in range(steps):
         for key in plan.order:
             task = plan.tasks[key]
             fixed, per_row = TRUTH[task.node]
-            d = (fixed + per_row * rank_rows(plan, task)) * (slower if task.world > 1 else 1.0) * slower_all
+            wide = task.world > 1
+            d = ((fixed + per_row * rank_rows(plan, task)) * (slower if wide else 1.0) + (extra if wide else 0.0)
+                 ) * slower_all
             for rank in task.ranks:
                 out.append(Record(task.node, task.mb, step, rank, t, t + d))
             t += d
@@ -83,6 +86,32 @@ def test_a_run_on_twice_the_workers_measures_data_parallelism_instead_of_assumin
         assert s[(node, None)] == pytest.approx((fixed + per_row * 128) * 1.8)
     four = make_plan(load_graph("grpo", overrides={"pools.train.workers": 4}))
     assert task_seconds(four, costs)[("update_actor", None)] > 1.0  # never profiled: line + all-reduce
+
+
+def test_two_micro_batch_counts_on_twice_the_workers_fit_the_line_there():
+    # on two ranks each task costs 1.5× its line plus 30 ms (synchronising the ranks): one row count
+    # there cannot tell the two apart, two can, and a third row count is then predicted exactly
+    g = load_graph("grpo")
+    def run(workers: int, k: int):
+        plan = make_plan(load_graph("grpo", overrides={"pools.train.workers": workers, "schedule.micro_batches": k}))
+        return plan, records(plan, slower=1.5, extra=0.03), []
+    costs = fit_runs([run(1, 1), run(1, 8), run(2, 1), run(2, 8)], g, "synthetic", Transfer())
+    fixed, per_row = TRUTH["generate"]
+    assert costs.nodes["generate"].world_line[2] == (pytest.approx(1.5 * fixed + 0.03), pytest.approx(1.5 * per_row))
+    four = make_plan(load_graph("grpo", overrides={"pools.train.workers": 2, "schedule.micro_batches": 4}))
+    assert task_seconds(four, costs)[("generate", 0)] == pytest.approx(1.5 * (fixed + per_row * 32) + 0.03)
+    # a cost file profiled on one row count there scales the line by the factor measured at it
+    one = fit_runs([run(1, 1), run(1, 8), run(2, 1)], g, "synthetic", Transfer())
+    assert one.nodes["generate"].world_line == {}
+    factor = one.nodes["generate"].world_factor[2]
+    assert task_seconds(four, one)[("generate", 0)] == pytest.approx(factor * (fixed + per_row * 32))
+
+
+def test_the_profile_adds_the_micro_batch_count_farthest_from_the_graphs():
+    assert farthest_micro_batches(1, 64) == 8 and farthest_micro_batches(2, 64) == 8
+    assert farthest_micro_batches(8, 64) == 1 and farthest_micro_batches(1, 4) == 4
+    assert farthest_micro_batches(1, 1) is None
+    assert farthest_micro_batches(1, 8, workers=2) == 4  # a prompt for each rank of each micro-batch
 
 
 def test_a_trace_reads_back_as_the_records_it_was_written_from(tmp_path):

@@ -12,7 +12,7 @@ from flowrl.cli import app
 from flowrl.graph import load_graph
 from flowrl.runtime.costs import GIB, CostFile, NodeCost, RoleMemory, Transfer, graph_key, save_costs
 from flowrl.runtime.plan import make_plan
-from flowrl.runtime.search import Budget, SearchError, describe, search, set_partitions
+from flowrl.runtime.search import Budget, SearchError, candidates, describe, search, set_partitions
 from flowrl.runtime.simulate import simulate_steps
 
 ROWS = 256  # grpo_async: 32 prompts × 8 samples
@@ -111,6 +111,12 @@ def test_set_partitions_are_every_grouping_once():
     parts = list(set_partitions(["a", "b", "c"]))
     assert len(parts) == 5  # Bell(3)
     assert len({tuple(sorted(tuple(sorted(g)) for g in p)) for p in parts}) == 5
+
+
+def test_no_candidate_leaves_a_rank_without_a_prompt_to_generate():
+    g = load_graph("grpo", overrides={"data.batch_size": 8})
+    shapes = {(c["pools"]["train"]["workers"], c["schedule.micro_batches"]) for c in candidates(g, Budget(cpus=4))}
+    assert (4, 4) not in shapes and (2, 8) not in shapes and (4, 2) in shapes and (1, 8) in shapes
 
 
 def test_the_cli_ranks_writes_the_best_and_refuses_bad_inputs(tmp_path):

@@ -175,15 +175,25 @@ def metric_samples(plan: Plan, rows: list[dict[str, Any]], skip_steps: int = WAR
 
 def world_factors(nodes: dict[str, NodeCost], plan: Plan, samples: dict[str, list[tuple[float, float]]],
                   base: dict[str, int]) -> None:
-    """Record on ``nodes`` how much slower (or faster) than their lines the nodes ran in ``plan``, for the
-    nodes whose pool has another worker count than in the profiled ``base`` (node → workers)."""
+    """Record on ``nodes`` how their tasks ran in ``plan`` (``samples``: from one or more runs of its worker
+    counts), for the nodes whose pool has another worker count than in the profiled ``base`` (node →
+    workers): the factor against their line at the rows profiled there, and, where two or more row
+    counts were profiled there, the line there (:meth:`~flowrl.runtime.costs.NodeCost.on`).
+
+    From one row count, the factor scales the whole line; profiling here, what more ranks add was in
+    some nodes paid per task (a pool of two ranks took about as long on 8 rows as on 32) and in others per
+    row, so only a second row count tells the two apart."""
     for node, xs in samples.items():
         world = plan.node_tasks(node)[0].world
-        if world == base.get(node, world) or node not in nodes:
+        if world == base.get(node, world) or node not in nodes or not xs:
             continue
-        ratios = [s / nodes[node].seconds(r) for r, s in xs if nodes[node].seconds(r) > 0]
+        line = nodes[node]
+        ratios = [s / line.seconds(r) for r, s in xs if line.seconds(r) > 0]
         if ratios:
-            nodes[node].world_factor[world] = statistics.median(ratios)
+            line.world_factor[world] = statistics.median(ratios)
+        if len({r for r, _ in xs}) > 1:
+            there = fit_line(xs)
+            line.world_line[world] = (there.fixed_s, there.per_row_s)
 
 
 def step_intervals(records: list[Record], skip_steps: int = WARMUP) -> list[float]:

@@ -63,11 +63,21 @@ class NodeCost(_Strict):
     rows_seen: list[float] = Field(default_factory=list)  # the distinct row counts it was fitted on
     samples: int = Field(0, ge=0)
     residual: float = Field(0.0, ge=0)  # median |fitted / measured - 1| over its samples
-    #: measured on a pool of N workers: seconds are this many times the line's (shared cores, collectives)
+    #: measured on a pool of N workers: seconds there are this many times the line's, at the rows profiled
     world_factor: dict[int, float] = Field(default_factory=dict)
+    #: measured on a pool of N workers: the line there, ``[fixed_s, per_row_s]`` (:meth:`on`)
+    world_line: dict[int, tuple[float, float]] = Field(default_factory=dict)
 
     def seconds(self, rows: float) -> float:
         return self.fixed_s + self.per_row_s * rows
+
+    def on(self, world: int, rows: float) -> float | None:
+        """Seconds of a task on one of ``world`` ranks, when profiled on that many workers (else None):
+        the line measured there, else (a cost file without one) the line times the factor measured there."""
+        if world in self.world_line:
+            fixed, per_row = self.world_line[world]
+            return fixed + per_row * rows
+        return self.seconds(rows) * self.world_factor[world] if world in self.world_factor else None
 
 
 class Transfer(_Strict):
@@ -197,16 +207,15 @@ def records_of(infos: Iterable[Any]) -> list[Record]:
 
 # ---------------------------------------------------------------- prediction
 def task_seconds(plan: Plan, costs: CostFile) -> dict[TaskKey, float]:
-    """Predicted seconds of every task of ``plan``: its node's cost at its rows per rank (times the factor
-    measured on its pool's worker count, when profiled there; else plus an update's gradient all-reduce
+    """Predicted seconds of every task of ``plan``: its node's cost at its rows per rank (the line measured
+    on its pool's worker count, when profiled there; else its line plus an update's gradient all-reduce
     across ranks), the calibrated task latency, and the weight syncs it loads first."""
     out: dict[TaskKey, float] = {}
     for key, task in plan.tasks.items():
         node = costs.nodes[task.node]
-        s = node.seconds(rank_rows(plan, task))
-        if task.world in node.world_factor:  # measured on this many workers: collectives included
-            s *= node.world_factor[task.world]
-        elif task.updates is not None and task.gather > 1 and task.dispatch != "all":
+        measured = node.on(task.world, rank_rows(plan, task))  # on this many workers: collectives included
+        s = node.seconds(rank_rows(plan, task)) if measured is None else measured
+        if measured is None and task.updates is not None and task.gather > 1 and task.dispatch != "all":
             world = task.gather
             s += costs.transfer.seconds(2 * (world - 1) / world * _weight_bytes(costs, task.updates))
         s += costs.task_latency_s

@@ -37,7 +37,8 @@ MICRO_BATCHES = (1, 2, 4, 8)
 WORKERS = (1, 2, 4, 8, 16, 32, 64)
 ASSUMPTIONS = (
     "a data-parallel pass on a worker count never profiled takes fixed + per-row × its rows / ranks (rows "
-    "split evenly, the measured per-row cost); a profiled worker count uses the slowdown measured there",
+    "split evenly, the measured per-row cost); a profiled worker count uses the line measured there (from "
+    "two row counts; from one, the line scaled by the slowdown measured there)",
     "an update on N ranks adds a gradient all-reduce of 2(N-1)/N × its weights at the measured bytes/s",
     "a weight sync to another pool costs the measured fixed + bytes/s; nodes add no network cost beyond it",
     "workers share the budget's CPU cores: while more processes run than there are cores, each runs "
@@ -142,7 +143,10 @@ def candidates(graph: Graph, budget: Budget) -> Iterator[dict[str, Any]]:
     own = graph.config.schedule.staleness
     stalenesses = [own] if budget.max_staleness is None else list(range(budget.max_staleness + 1))
     for pools in pool_layouts(graph, budget):
-        for k in (m for m in MICRO_BATCHES if m <= prompts):
+        most = max(p["workers"] for p in pools.values())
+        # generation keeps a prompt's samples on one rank: fewer prompts in a micro-batch than ranks leaves
+        # a rank nothing to generate (the run then fails on the empty shard)
+        for k in (m for m in MICRO_BATCHES if m * most <= prompts):
             for s in stalenesses:
                 for micro in micro_sizes:
                     out: dict[str, Any] = {"pools": pools, "schedule.micro_batches": k, "schedule.staleness": s}
