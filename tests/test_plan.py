@@ -88,13 +88,24 @@ def test_forward_passes_on_a_data_parallel_pool_balance_real_tokens_and_generati
 
 
 def test_a_micro_batch_smaller_than_the_pool_keeps_split():
-    # 4 prompts in 4 micro-batches, n=1: one row per task, two ranks, nothing to balance
-    g = load_graph("ppo", overrides={"pools.train.workers": 2, "data.batch_size": 4, "schedule.micro_batches": 4,
-                                     "nodes.generate.n": 1})
+    # 4 prompts in 4 micro-batches, n=1: one row per task of old_logprob on the 2 train ranks, nothing to
+    # balance (generation on its own 1-worker pool)
+    g = load_graph("grpo_async", overrides={"pools.train.workers": 2, "data.batch_size": 4,
+                                            "schedule.micro_batches": 4, "nodes.generate.n": 1,
+                                            "nodes.old_logprob.op": "logprob.old",
+                                            "nodes.update_actor.inputs": {}})
     plan = make_plan(g)
     assert dispatch_of(plan)["old_logprob"] == "split"
     assert "(1) than ranks (2)" in plan.dispatch_rules["old_logprob"]
     assert dispatch_of(make_plan(g, micro_batches=2))["old_logprob"] == "balanced"
+
+
+def test_a_rollout_that_would_leave_a_rank_without_prompts_is_refused():
+    # 8 prompts in 8 micro-batches on 2 ranks: one rank would sample from nothing (it failed at run time)
+    g = load_graph("grpo", overrides={"pools.train.workers": 2, "data.batch_size": 8, "schedule.micro_batches": 8})
+    with pytest.raises(PlanError, match="node 'generate' .* 2 workers of pool 'train'.* only 1 row:"):
+        make_plan(g)
+    assert make_plan(g, micro_batches=4).micro_batches == 4
 
 
 def test_flowrl_plan_prints_the_tasks(capsys):
@@ -120,17 +131,18 @@ def test_a_group_scoped_forward_keeps_groups_whole_and_must_read_their_uid():
 
 
 def test_an_update_with_fewer_rows_than_ranks_is_refused_before_it_runs():
-    # 1 prompt × 2 samples over 4 data-parallel ranks: two ranks would get no row and stall the others
-    g = load_graph("grpo", overrides={"pools.train.workers": 4, "pools.train.cpus": 0.25, "data.batch_size": 1,
-                                      "nodes.generate.n": 2})
+    # 1 prompt × 2 samples (generated on their own pool) over 4 data-parallel ranks: two ranks would get
+    # no row and stall the others
+    g = load_graph("grpo_async", overrides={"pools.train.workers": 4, "pools.train.cpus": 0.25,
+                                            "data.batch_size": 1, "nodes.generate.n": 2})
     with pytest.raises(PlanError) as err:
         make_plan(g)
     text = str(err.value)
     assert "'update_actor'" in text and "only 2 rows" in text and "pools.train.workers" in text
     assert make_plan(g, LOCAL).tasks[("update_actor", None)].dispatch == "all"  # threads: each rank all rows
     # as many rows as ranks is enough
-    assert make_plan(load_graph("grpo", overrides={"pools.train.workers": 4, "pools.train.cpus": 0.25,
-                                                   "data.batch_size": 2, "nodes.generate.n": 2}))
+    assert make_plan(load_graph("grpo_async", overrides={"pools.train.workers": 4, "pools.train.cpus": 0.25,
+                                                         "data.batch_size": 2, "nodes.generate.n": 2}))
 
 
 def test_the_plan_carries_role_builds_statefulness_and_the_validation_run():

@@ -172,7 +172,7 @@ def test_killed_worker_fails_the_step_at_once(ray_session, tmp_path):
 
 
 def test_infeasible_placement_fails_fast(ray_session, tmp_path):
-    g = graph_from("ppo.yaml", tmp_path, pools__train__workers=3)
+    g = graph_from("ppo.yaml", tmp_path, pools__train__workers=3, data__batch_size=6)  # a prompt per rank
     rt = Runtime(g, backend="ray", resources=BIG)  # the graph check passes with BIG; Ray has 2 CPUs
     with pytest.raises(PlacementError) as exc:
         rt.start()

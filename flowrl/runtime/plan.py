@@ -217,7 +217,8 @@ def make_plan(graph: Graph, traits: BackendTraits = RAY, *, micro_batches: int |
         rows = (min(b - a for a, b in pairwise(bounds)) if streams else prompts) * spaces[name].factor
         mode_name, rules[name] = dispatch_rule(node, pool == DRIVER or name in placement, world, traits, rows)
         mode, keys = get_mode(mode_name), row_keys(node)
-        _check_mode(name, pool, mode, keys, world, rows)
+        _check_mode(name, pool, mode, keys, world, rows // max(1, node.op.expansion(node.params)),
+                    node.op.expands is not None)
         for mb in mbs:
             task = Task(name, mb, pool, cost=node.cost / (k if mb is not None else 1),
                         dispatch=mode.name, keys=keys, ranks=tuple(mode.ranks(world)),
@@ -254,12 +255,14 @@ def make_plan(graph: Graph, traits: BackendTraits = RAY, *, micro_batches: int |
     return plan
 
 
-def _check_mode(name: str, pool: str, mode: Any, keys: RowKeys, world: int, rows: int) -> None:
-    """What a mode needs of a node that only the plan can tell: rows for every rank, its columns."""
-    if mode.every_rank_rows and rows < world:
+def _check_mode(name: str, pool: str, mode: Any, keys: RowKeys, world: int, rows: int, expands: bool) -> None:
+    """What a mode needs of a node that only the plan can tell: rows (``rows``: the fewest a task reads)
+    for every rank where its ranks run collectives together or the node samples (``expands``: a
+    rollout; none samples from an empty batch), its columns."""
+    if (mode.every_rank_rows or expands) and rows < world:
         raise PlanError(f"node {name!r} runs data parallel on the {world} workers of pool {pool!r}, but a "
-                        f"task of it gets only {rows} rows: every rank needs at least one; lower "
-                        f"pools.{pool}.workers or raise data.batch_size")
+                        f"task of it gets only {rows} row{'s' if rows != 1 else ''}: every rank needs at least one; lower "
+                        f"pools.{pool}.workers or schedule.micro_batches, or raise data.batch_size")
     if "groups" in mode.needs and keys.groups is None:
         raise PlanError(f"node {name!r} is group-scoped and runs data parallel on pool {pool!r}, but its "
                         f"operator declares no group_key to keep each group on one rank; declare the input "
