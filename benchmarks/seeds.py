@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -44,8 +45,9 @@ def parse_seeds(text: str) -> list[int]:
 
 
 def run_seed(graph_name: str, seed: int, overrides: dict, steps: int | None, backend: str,
-             verbose: bool = False) -> dict:
-    """One run: its final greedy held-out reward, last-``TAIL``-step mean reward and wall seconds."""
+             verbose: bool = False, keep: str | None = None) -> dict:
+    """One run: its final greedy held-out reward, last-``TAIL``-step mean reward and wall seconds; its run
+    directory (metrics, checkpoints) kept in ``keep``/seed_<seed> when given, else a temporary one."""
     graph = load_graph(graph_name, overrides={**overrides, "trainer.seed": seed})
 
     def say_held_out(step: int, row: dict) -> None:
@@ -54,7 +56,7 @@ def run_seed(graph_name: str, seed: int, overrides: dict, steps: int | None, bac
                   f"reward {row['reward/mean']:.3f}", flush=True)
 
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out:
+    with (contextlib.nullcontext(f"{keep}/seed_{seed}") if keep else tempfile.TemporaryDirectory()) as out:
         history = Trainer(graph, backend=backend, steps=steps, out=out, say=lambda _: None,
                           on_step=say_held_out).run()
     wall = time.perf_counter() - start
@@ -77,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="local")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a key")
     parser.add_argument("--json", default=None, help="also write every seed's figures here")
+    parser.add_argument("--out", default=None, help="keep each seed's run directory here (DIR/seed_<k>)")
     parser.add_argument("--verbose", action="store_true", help="print each validation as it comes")
     parser.add_argument("--smoke", action="store_true", help="2 seeds, 3 small steps: the script still runs")
     args = parser.parse_args(argv)
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'seed':>4}  {'held-out':>8}  {'reward last ' + str(TAIL):>14}  {'wall s':>7}  {'wall / seed ' + str(seeds[0]):>16}")
     runs = []
     for seed in seeds:
-        run = run_seed(args.graph, seed, overrides, args.steps, args.backend, args.verbose)
+        run = run_seed(args.graph, seed, overrides, args.steps, args.backend, args.verbose, args.out)
         runs.append(run)
         print(f"{seed:>4}  {run['held_out']:>8.3f}  {run['reward_tail']:>14.3f}  "
               f"{run['wall_s']:>7.1f}  {run['wall_s'] / runs[0]['wall_s']:>16.2f}", flush=True)
