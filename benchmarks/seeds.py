@@ -33,6 +33,8 @@ from flowrl.runtime.trainer import Trainer
 
 #: how many final steps the reward figure averages (the README's "steps 276-300")
 TAIL = 25
+#: the metrics of the engine's log-probs against the update's (flowrl's rollout correction)
+GAP = "actor/rollout_corr/"
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -64,7 +66,25 @@ def run_seed(graph_name: str, seed: int, overrides: dict, steps: int | None, bac
     rewards = [row["reward/mean"] for row in history]
     return {"seed": seed, "held_out": held_out[-1] if held_out else float("nan"),
             "held_out_all": held_out, "rewards": rewards, "reward_tail": statistics.fmean(rewards[-TAIL:]),
-            "steps": len(history), "wall_s": wall}
+            "steps": len(history), "wall_s": wall, **engine_gap(history)}
+
+
+def engine_gap(history: list[dict]) -> dict:
+    """What a run's ``actor/rollout_corr/*`` metrics say of the engine's log-probs against the update's,
+    over its steps: mean |Δ log p|, the largest |Δ|, the largest share of tokens past TIS/MIS's threshold,
+    the largest TIS weight and MIS-rejected share (when they ran) and the largest weight-check gap."""
+    rows = [r for r in history if GAP + "log_prob_abs_diff" in r]
+    if not rows:
+        return {}
+
+    def most(key: str) -> float | None:
+        values = [abs(r[key]) for r in rows if key in r]
+        return max(values) if values else None
+
+    return {"gap_mean": statistics.fmean(r[GAP + "log_prob_abs_diff"] for r in rows),
+            "gap_max": most(GAP + "log_prob_diff_max"), "outside_max": most(GAP + "frac_outside_threshold"),
+            "is_weight_max": most(GAP + "is_weight_max"), "rejected_max": most(GAP + "rs_masked_fraction"),
+            "check_max": most("actor/rollout/weight_check_max_diff"), "gap_steps": len(rows)}
 
 
 def summary(values: list[float]) -> str:
@@ -99,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(run)
         print(f"{seed:>4}  {run['held_out']:>8.3f}  {run['reward_tail']:>14.3f}  "
               f"{run['wall_s']:>7.1f}  {run['wall_s'] / runs[0]['wall_s']:>16.2f}", flush=True)
+        if "gap_mean" in run:
+            extra = "".join(f", {label} {run[key]:.3g}" for key, label in
+                            (("is_weight_max", "largest TIS weight"), ("rejected_max", "largest MIS-rejected share"),
+                             ("check_max", "largest weight-check gap")) if run.get(key) is not None)
+            print(f"      engine vs update log-probs over {run['gap_steps']} steps: mean |diff| {run['gap_mean']:.2g}, "
+                  f"largest {run['gap_max']:.2g}, largest share past the TIS/MIS threshold "
+                  f"{run['outside_max']:.2g}{extra}", flush=True)
     held = [r["held_out"] for r in runs]
     print(f"greedy held-out, final: mean (min-max) over {len(runs)} seeds {summary(held)}; "
           f"{sum(h >= 0.9 for h in held)} of {len(runs)} >= 0.9")
