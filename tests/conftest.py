@@ -16,12 +16,20 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray (2 CPUs) shared by every test that needs one; shut down at the end."""
+    """A local Ray (2 CPUs) shared by every test that needs one; shut down at the end.
+
+    Started as ``flowrl.runtime.ray_start`` starts a run's own Ray: a new local cluster
+    (``address="local"``: ``ray.init()`` alone joins any cluster another process on the
+    machine started), no idle worker processes started ahead (every actor asks for
+    resources of its own and never runs in one), and the workers' environment inherited
+    rather than given as a runtime_env (each worker's start would wait on Ray's
+    runtime-env agent)."""
     ray = pytest.importorskip("ray")
     started = False
     if not ray.is_initialized():
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        os.environ["OMP_NUM_THREADS"] = "1"  # the worker processes' one torch thread
+        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
         started = True
     yield ray
     if started:
