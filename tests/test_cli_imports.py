@@ -1,6 +1,7 @@
 """What the inspecting commands import: ``validate``, ``ops``, ``viz`` and ``plan`` of the
-built-in graphs declare every operator and run every check without transformers or
-tensordict (issue 14.4: they cost seconds before the first line prints)."""
+built-in graphs declare every operator and run every check without transformers,
+tensordict (issue 14.4: they cost seconds before the first line prints) or torch.distributed's
+sharding and checkpoint modules (issue 24)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 HEAVY = ("transformers", "tensordict")
+#: torch.distributed's FSDP, DTensor and checkpoint modules cost a second of ``validate`` (issue 24)
+DISTRIBUTED = ("torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint")
 
 # one fresh interpreter: modules imported by earlier tests in this process would hide an import
 SCRIPT = """
@@ -21,7 +24,8 @@ from typer.testing import CliRunner
 from flowrl.cli import app
 from flowrl.graph.load import builtin_graphs
 
-HEAVY = sys.argv[1:]
+heavy, distributed = sys.argv[1].split(","), sys.argv[2].split(",")
+imported = lambda probes: [m for m in probes if m in sys.modules]
 runner = CliRunner()
 codes = {}
 for name in sorted(builtin_graphs()):
@@ -29,21 +33,26 @@ for name in sorted(builtin_graphs()):
 codes["ops"] = runner.invoke(app, ["ops"]).exit_code
 codes["viz grpo"] = runner.invoke(app, ["viz", "grpo"]).exit_code
 codes["plan ppo"] = runner.invoke(app, ["plan", "ppo"]).exit_code
-after_checks = [m for m in HEAVY if m in sys.modules]
+after_checks = imported(heavy + distributed)
 
 # building what the checks only described does import them: the probe can see an import
 from operators.models import load_model
 from operators.sources import PromptSource, PromptSourceConfig
-load_model("builtin:tiny")
+model, _ = load_model("builtin:tiny")
 PromptSource(PromptSourceConfig(source="builtin:copy", batch_size=2)).next_batch()
-after_build = [m for m in HEAVY if m in sys.modules]
-print(json.dumps({"codes": codes, "after_checks": after_checks, "after_build": after_build}))
+after_build = imported(heavy)
+# saving a role's state is what imports torch.distributed's modules
+from operators.models.sharded_checkpoint import ModelState
+ModelState(model).state_dict()
+print(json.dumps({"codes": codes, "after_checks": after_checks, "after_build": after_build,
+                  "after_save": imported(distributed)}))
 """
 
 
-def test_inspecting_builtin_graphs_imports_no_transformers_or_tensordict():
+def test_inspecting_builtin_graphs_imports_no_transformers_tensordict_or_torch_distributed():
+    """One interpreter for both probes: each fresh one costs seconds of imports."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    res = subprocess.run([sys.executable, "-c", SCRIPT, *HEAVY], cwd=ROOT, env=env,
+    res = subprocess.run([sys.executable, "-c", SCRIPT, ",".join(HEAVY), ",".join(DISTRIBUTED)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -51,6 +60,7 @@ def test_inspecting_builtin_graphs_imports_no_transformers_or_tensordict():
     assert set(out["codes"].values()) == {0}, out["codes"]
     assert out["after_checks"] == []
     assert sorted(out["after_build"]) == sorted(HEAVY)
+    assert out["after_save"] == list(DISTRIBUTED)
 
 
 HELP = """
@@ -70,33 +80,3 @@ def test_help_imports_no_graph_code():
                          timeout=120)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1]) == {"code": 0, "imported": []}
-
-
-DISTRIBUTED = """
-import json, sys
-from typer.testing import CliRunner
-from flowrl.cli import app
-
-PROBES = sys.argv[1:]
-code = CliRunner().invoke(app, ["validate", "ppo"]).exit_code
-after_validate = [m for m in PROBES if m in sys.modules]
-
-# saving a role's state is what imports them: the probe can see an import
-from operators.models import load_model
-from operators.models.sharded_checkpoint import ModelState
-ModelState(load_model("builtin:tiny")[0]).state_dict()
-print(json.dumps({"code": code, "after_validate": after_validate,
-                  "after_save": [m for m in PROBES if m in sys.modules]}))
-"""
-
-
-def test_validate_imports_no_torch_distributed_sharding_or_checkpoint():
-    """torch.distributed's FSDP, DTensor and checkpoint modules cost a second of ``validate`` (issue 24)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    probes = ["torch.distributed.tensor", "torch.distributed.fsdp", "torch.distributed.checkpoint"]
-    res = subprocess.run([sys.executable, "-c", DISTRIBUTED, *probes], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["code"] == 0 and out["after_validate"] == []
-    assert out["after_save"] == probes

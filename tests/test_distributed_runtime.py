@@ -3,14 +3,14 @@
 The two ranks form one gloo group, shard the actor with FSDP2 and split the
 update (balanced dispatch). Every comparison is with one process doing the
 same work on the whole batch — never FSDP with FSDP. The session's Ray has 2
-CPUs: each test's pool of two 1-CPU workers is the only thing holding them.
+CPUs: each pool of two 1-CPU workers is the only thing holding them, so the
+hung-rank test's pool is gone before the pool the last two tests share starts.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +20,6 @@ from flowrl.data.dispatch import RowKeys, get_mode, task_rows
 from flowrl.graph import REGISTRY, load_graph
 from flowrl.runtime.errors import RuntimeFailure
 from flowrl.runtime.scheduler import Runtime
-from flowrl.runtime.trainer import Trainer
 from flowrl.runtime.worker import Call, RoleContext
 from operators.logprob import SEQUENCE_IN
 from operators.roles import Actor, ActorConfig
@@ -82,21 +81,54 @@ def same_on_responses(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> f
     return float(((a[:, :width] - b[:, :width]) * mask).abs().max())
 
 
-def test_two_ranks_take_the_step_one_process_takes_on_the_whole_batch(ray_session):
+def test_a_hung_rank_fails_the_step_naming_the_pool_the_rank_and_the_collective(ray_session):
+    g = load_graph("grpo", overrides={**TWO, "pools.train.timeout_s": 6})
+    rt = Runtime(g, backend="ray").start()
+    try:
+        os.kill(rt.backend.pids[("train", 1)], signal.SIGSTOP)  # rank 1 stops answering, without dying
+        with pytest.raises(RuntimeFailure) as err:
+            rt.run_step(first_batch(g))
+        text = " ".join(str(err.value).split())
+        # rank 0 waits in the step's first collective (the rollout's unshard) for the timeout, then names it
+        assert "pool 'train': collective 'unshard for rollout" in text and "failed on rank 0" in text
+        assert "(timeout 6s)" in text and "rank 1 never reached it" in text
+    finally:
+        rt.close()  # SIGKILL reaches a stopped process
+
+
+def actor_bytes() -> int:
+    return sum(p.numel() * p.element_size()
+               for p in Actor(ActorConfig(), RoleContext("actor", 0, 1, 0)).model.parameters())
+
+
+@pytest.fixture(scope="module")
+def first_step(ray_session):
+    """A started 2-worker pool that took its first step: the runtime, its graph, each rank's held bytes
+    before the step, and the step's result. Its two worker processes serve both tests below (each start
+    costs seconds of imports); the second one kills rank 1, so it runs last."""
     # an entropy bonus: a gradient even when the first rewards are all equal (zero advantages);
     # a forward pass (old log-probs) in two streamed micro-batches, balanced over the ranks
     g = load_graph("grpo", overrides={**TWO, "nodes.update_actor.entropy_coeff": 0.01,
-                                      "nodes.old_logprob.op": "logprob.old", "schedule.micro_batches": 2})
-    with Runtime(g, backend="ray", fetch=UPDATE_IN + ("old_log_probs",)) as rt:
-        assert [t.dispatch for t in rt.plan.node_tasks("old_logprob")] == ["balanced", "balanced"]
-        result = rt.run_step(first_batch(g))
-        # what another pool or validation loads: gathered by both ranks, landing on rank 0
-        (gathered, version), (nothing, _) = rt.backend.get_many(
-            [rt.backend.call("train", r, "get_weights", "actor") for r in range(2)])
-        # ragged rows, longest first: a contiguous split would give rank 0 every long row
-        tokens = result.data["attention_mask"].sum(-1)
-        skewed = result.data[torch.argsort(tokens, descending=True, stable=True).tolist()]
-        parts = balanced_forward_on_ranks(rt, skewed)
+                                      "nodes.old_logprob.op": "logprob.old", "schedule.micro_batches": 2,
+                                      "pools.train.timeout_s": 20})
+    rt = Runtime(g, backend="ray", fetch=UPDATE_IN + ("old_log_probs",)).start()
+    try:
+        held = [rt.backend.get(rt.backend.call("train", r, "held_bytes")) for r in range(2)]
+        yield rt, g, held, rt.run_step(first_batch(g))
+    finally:
+        rt.close()
+
+
+def test_two_ranks_take_the_step_one_process_takes_on_the_whole_batch(first_step):
+    rt, g, _, result = first_step
+    assert [t.dispatch for t in rt.plan.node_tasks("old_logprob")] == ["balanced", "balanced"]
+    # what another pool or validation loads: gathered by both ranks, landing on rank 0
+    (gathered, version), (nothing, _) = rt.backend.get_many(
+        [rt.backend.call("train", r, "get_weights", "actor") for r in range(2)])
+    # ragged rows, longest first: a contiguous split would give rank 0 every long row
+    tokens = result.data["attention_mask"].sum(-1)
+    skewed = result.data[torch.argsort(tokens, descending=True, stable=True).tolist()]
+    parts = balanced_forward_on_ranks(rt, skewed)
     # each rank about the same real tokens: within one row's of each other, closer than a contiguous split
     real = skewed["attention_mask"].sum(-1)
     loads = [int(real[task_rows(p)].sum()) for p in parts]
@@ -130,71 +162,32 @@ def test_two_ranks_take_the_step_one_process_takes_on_the_whole_batch(ray_sessio
         assert result.metrics[f"actor/{name}"] == pytest.approx(metrics[f"actor/{name}"], abs=TOLERANCE, rel=TOLERANCE)
 
 
-def train(out: Path, steps: int, resume: bool = False, **extra):
-    g = load_graph("grpo", overrides={**TWO, **extra})
-    return Trainer(g, backend="ray", steps=steps, out=out, resume=resume, say=lambda m: None).run()
-
-
-VALUES = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean")
-
-
-def test_two_worker_grpo_resumes_exactly(ray_session, tmp_path):
-    full = train(tmp_path / "full", steps=4)
-    part = train(tmp_path / "part", steps=2)  # "killed" after its step-2 checkpoint
-    rest = train(tmp_path / "part", steps=4, resume=True)
-    assert [r["step"] for r in part + rest] == [1, 2, 3, 4]
-    assert [{k: r[k] for k in VALUES} for r in part + rest] == [{k: r[k] for k in VALUES} for r in full]
-    assert all(r["reward/mean"] == r["reward/mean"] for r in full)  # finite, every step
-
-
-def test_a_hung_rank_fails_the_step_naming_the_pool_the_rank_and_the_collective(ray_session):
-    g = load_graph("grpo", overrides={**TWO, "pools.train.timeout_s": 6})
-    rt = Runtime(g, backend="ray").start()
-    try:
-        os.kill(rt.backend.pids[("train", 1)], signal.SIGSTOP)  # rank 1 stops answering, without dying
-        with pytest.raises(RuntimeFailure) as err:
-            rt.run_step(first_batch(g))
-        text = " ".join(str(err.value).split())
-        # rank 0 waits in the step's first collective (the rollout's unshard) for the timeout, then names it
-        assert "pool 'train': collective 'unshard for rollout" in text and "failed on rank 0" in text
-        assert "(timeout 6s)" in text and "rank 1 never reached it" in text
-    finally:
-        rt.close()  # SIGKILL reaches a stopped process
-
-
-def test_each_rank_holds_half_the_parameters_and_a_killed_rank_is_named(ray_session):
-    g = load_graph("grpo", overrides={**TWO, "pools.train.timeout_s": 20})
-    whole = sum(p.numel() * p.element_size()
-                for p in Actor(ActorConfig(), RoleContext("actor", 0, 1, 0)).model.parameters())
-    rt = Runtime(g, backend="ray").start()
-    try:
-        held = [rt.backend.get(rt.backend.call("train", r, "held_bytes")) for r in range(2)]
-        assert [h["actor"]["params"] for h in held] == [pytest.approx(whole / 2, rel=0.01)] * 2
-        assert all(h["actor"]["optimizer"] == 0 for h in held)  # no step yet
-        result = rt.run_step(first_batch(g))
-        # the colocated rollout generated on gathered weights: it took the other half, and gave it back
-        half_mb = whole / 2 / 2**20
-        assert result.metrics["rollout/unshard_taken_mb"] == pytest.approx(half_mb, rel=0.01)
-        assert result.metrics["rollout/unshard_freed_mb"] == pytest.approx(half_mb, rel=0.01)
-        after = [rt.backend.get(rt.backend.call("train", r, "held_bytes")) for r in range(2)]
-        assert [h["actor"]["optimizer"] for h in after] == [pytest.approx(2 * whole / 2, rel=0.01)] * 2  # Adam
-        # full weights from elsewhere (another pool's gather) load into the shards, and gather back the same
-        gather = lambda: rt.backend.get_many([rt.backend.call("train", r, "get_weights", "actor")  # noqa: E731
-                                              for r in range(2)])[0]  # a collective: every rank
-        weights, _ = gather()
-        moved = {k: v + 0.5 for k, v in weights.items()}
-        rt.backend.get_many([rt.backend.call("train", r, "set_weights", "actor", (moved, 7)) for r in range(2)])
-        again, version = gather()
-        assert version == 7 and all(torch.equal(again[k], moved[k]) for k in moved)
-        os.kill(rt.backend.pids[("train", 1)], signal.SIGKILL)  # rank 1 dies between steps; rank 0 meets no one
-        with pytest.raises(RuntimeFailure) as err:
-            rt.run_step(first_batch(g), step=1)
-        text = " ".join(str(err.value).split())
-        pid = rt.backend.pids[("train", 1)]
-        # rank 0 meets a dead peer in its first collective: the pool, the collective, the dead rank;
-        # or, when Ray fails the dead rank's own task first, that worker: the pool, the rank, the pid
-        collective = ("pool 'train'" in text and "failed on rank 0" in text and "collective 'unshard for rollout"
-                      in text and f"rank 1 (pid {pid}) is dead" in text)
-        assert collective or f"worker train[1] (pid {pid}) died while running node 'generate'" in text, text
-    finally:
-        rt.close()
+def test_each_rank_holds_half_the_parameters_and_a_killed_rank_is_named(first_step):
+    rt, g, held, result = first_step
+    whole = actor_bytes()
+    assert [h["actor"]["params"] for h in held] == [pytest.approx(whole / 2, rel=0.01)] * 2
+    assert all(h["actor"]["optimizer"] == 0 for h in held)  # no step yet
+    # the colocated rollout generated on gathered weights: it took the other half, and gave it back
+    half_mb = whole / 2 / 2**20
+    assert result.metrics["rollout/unshard_taken_mb"] == pytest.approx(half_mb, rel=0.01)
+    assert result.metrics["rollout/unshard_freed_mb"] == pytest.approx(half_mb, rel=0.01)
+    after = [rt.backend.get(rt.backend.call("train", r, "held_bytes")) for r in range(2)]
+    assert [h["actor"]["optimizer"] for h in after] == [pytest.approx(2 * whole / 2, rel=0.01)] * 2  # Adam
+    # full weights from elsewhere (another pool's gather) load into the shards, and gather back the same
+    gather = lambda: rt.backend.get_many([rt.backend.call("train", r, "get_weights", "actor")  # noqa: E731
+                                          for r in range(2)])[0]  # a collective: every rank
+    weights, _ = gather()
+    moved = {k: v + 0.5 for k, v in weights.items()}
+    rt.backend.get_many([rt.backend.call("train", r, "set_weights", "actor", (moved, 7)) for r in range(2)])
+    again, version = gather()
+    assert version == 7 and all(torch.equal(again[k], moved[k]) for k in moved)
+    os.kill(rt.backend.pids[("train", 1)], signal.SIGKILL)  # rank 1 dies between steps; rank 0 meets no one
+    with pytest.raises(RuntimeFailure) as err:
+        rt.run_step(first_batch(g), step=1)
+    text = " ".join(str(err.value).split())
+    pid = rt.backend.pids[("train", 1)]
+    # rank 0 meets a dead peer in its first collective: the pool, the collective, the dead rank;
+    # or, when Ray fails the dead rank's own task first, that worker: the pool, the rank, the pid
+    collective = ("pool 'train'" in text and "failed on rank 0" in text and "collective 'unshard for rollout"
+                  in text and f"rank 1 (pid {pid}) is dead" in text)
+    assert collective or f"worker train[1] (pid {pid}) died while running node 'generate'" in text, text

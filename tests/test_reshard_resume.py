@@ -1,9 +1,12 @@
-"""A run's checkpoint written by N workers resumes with M: sharded roles reshard.
+"""A 2-worker run's checkpoint resumes exactly, and with another worker count: sharded roles reshard.
 
 A 2-worker GRPO run writes its actor with ``torch.distributed.checkpoint``
-(each rank its shards); a 1-worker run resumes from it, and a 2-worker pool
-loads the whole state a 1-worker run wrote. Every comparison is with what the
-checkpoint holds, read back independently of the runtime that loads it.
+(each rank its shards); a 2-worker run resumes from it bit for bit, a 1-worker
+run resumes from it, and a 2-worker pool loads the whole state a 1-worker run
+wrote. Every comparison is with the uninterrupted run (the session's
+``two_worker_grpo_run``) or with what the checkpoint holds, read back
+independently of the runtime that loads it. Each test resumes a copy of the
+uninterrupted run cut back to a checkpoint: what a run killed after it leaves.
 """
 
 from __future__ import annotations
@@ -17,18 +20,34 @@ from flowrl.graph import load_graph
 from flowrl.runtime.checkpoint import CheckpointStore
 from flowrl.runtime.checkpoint_state import read_full
 from flowrl.runtime.scheduler import Runtime
+from flowrl.runtime.sinks import read_metrics
 from flowrl.runtime.trainer import Trainer
 from flowrl.runtime.worker import RoleContext
 from operators.roles import Actor, ActorConfig
+from tests.shared_runs import STEPS, TWO, copy_run
 
 ray = pytest.importorskip("ray")
 
-BASE = {"data.batch_size": 8, "nodes.generate.n": 4, "nodes.generate.max_new_tokens": 6,
-        "trainer.checkpoint_every": 2, "trainer.val_every": 0}
+VALUES = ("reward/mean", "actor/pg_loss", "actor/entropy", "actor/grad_norm", "response_length/mean")
 
 
 def grpo(workers: int):
-    return load_graph("grpo", overrides={**BASE, "pools.train.workers": workers})
+    return load_graph("grpo", overrides={**TWO, "pools.train.workers": workers})
+
+
+def values(rows) -> list[dict[str, float]]:
+    return [{k: r[k] for k in VALUES} for r in rows]
+
+
+def test_two_worker_grpo_resumes_exactly(two_worker_grpo_run, tmp_path):
+    full_dir, full = two_worker_grpo_run
+    out = copy_run(full_dir, tmp_path / "part", keep_through=2)  # "killed" after its step-2 checkpoint
+    rest = Trainer(grpo(2), backend="ray", steps=STEPS, out=out, resume=True, say=lambda m: None).run()
+    assert [r["step"] for r in rest] == [3, 4, 5]
+    assert values(rest) == values(full[2:])  # exact equality, not approximate
+    # the metrics file: the rows before the checkpoint kept, those after it cut back and written again
+    assert values(row for _, row in read_metrics(out / "metrics.jsonl", warn=print)) == values(full)
+    assert all(r["reward/mean"] == r["reward/mean"] for r in full)  # finite, every step
 
 
 def written_state(directory: Path, state: dict) -> dict:
@@ -36,10 +55,10 @@ def written_state(directory: Path, state: dict) -> dict:
     return read_full(directory, "actor", state["roles"]["actor"])
 
 
-def test_a_two_worker_checkpoint_resumes_on_one_and_a_whole_one_on_two(ray_session, tmp_path):
-    out = tmp_path / "run"
+def test_a_two_worker_checkpoint_resumes_on_one_and_a_whole_one_on_two(two_worker_grpo_run, tmp_path):
+    full_dir, straight = two_worker_grpo_run
+    out = copy_run(full_dir, tmp_path / "run", keep_through=2)
     said: list[str] = []
-    Trainer(grpo(2), backend="ray", steps=2, out=out, say=said.append).run()
     step2 = out / "checkpoints" / "step_00000002"
     # one directory the two ranks wrote together, each its shards: the format one process writes
     assert len(list((step2 / "roles" / "actor").glob("*.safetensors"))) == 2
@@ -51,9 +70,8 @@ def test_a_two_worker_checkpoint_resumes_on_one_and_a_whole_one_on_two(ray_sessi
     rows = Trainer(grpo(1), backend="ray", steps=3, out=out, resume=True, say=said.append).run()
     assert [r["step"] for r in rows] == [3]
     assert any("workers changed" in m and "train: 2 → 1" in m for m in said)
-    straight = Trainer(grpo(2), backend="ray", steps=3, out=tmp_path / "straight", say=lambda _: None).run()
     for key in ("reward/mean", "response_length/mean"):
-        assert rows[0][key] == pytest.approx(straight[-1][key], abs=1e-6), key
+        assert rows[0][key] == pytest.approx(straight[2][key], abs=1e-6), key
 
     names = [n for n, _ in Actor(ActorConfig(), RoleContext("actor", 0, 1, 0)).model.named_parameters()]
     store = CheckpointStore(out / "checkpoints")
@@ -95,13 +113,14 @@ def test_a_two_worker_checkpoint_resumes_on_one_and_a_whole_one_on_two(ray_sessi
     assert again["updates"] == 3
 
 
-def test_a_two_worker_checkpoint_without_rank_0s_shard_falls_back_to_the_previous_one(ray_session, tmp_path):
-    Trainer(grpo(2), backend="ray", steps=4, out=tmp_path, say=lambda _: None).run()
-    newest = tmp_path / "checkpoints" / "step_00000004"
+def test_a_two_worker_checkpoint_without_rank_0s_shard_falls_back_to_the_previous_one(two_worker_grpo_run,
+                                                                                      tmp_path):
+    out = copy_run(two_worker_grpo_run[0], tmp_path / "run", keep_through=4)
+    newest = out / "checkpoints" / "step_00000004"
     first = sorted((newest / "roles" / "actor").glob("*.safetensors"))[0]  # rank 0's half of the actor
     first.unlink()
     said: list[str] = []
-    rows = Trainer(grpo(2), backend="ray", steps=5, out=tmp_path, resume=True, say=said.append).run()
+    rows = Trainer(grpo(2), backend="ray", steps=5, out=out, resume=True, say=said.append).run()
     assert any("step_00000004 is unreadable" in m and f"{first.name} is missing" in m for m in said)
     assert any("resuming from" in m and "step_00000002" in m for m in said)
     assert [r["step"] for r in rows] == [3, 4, 5]

@@ -13,19 +13,15 @@ from flowrl.runtime.faults import FAULT_ENV
 from flowrl.runtime.sinks import read_metrics
 from flowrl.runtime.trainer import Trainer
 
+from tests.shared_runs import STEPS, TWO
+
 pytest.importorskip("ray")
 
-TWO = {"pools.train.workers": 2, "data.batch_size": 4, "nodes.generate.n": 4, "nodes.generate.max_new_tokens": 4,
-       "trainer.checkpoint_every": 2, "trainer.val_every": 0}
-STEPS = 5
 KILL = "node=update_actor,step=5,rank=1,kind=kill"
 
 
-def _train(out, fault: str | None, mp: pytest.MonkeyPatch, said: list[str], **extra):
-    if fault is None:
-        mp.delenv(FAULT_ENV, raising=False)
-    else:
-        mp.setenv(FAULT_ENV, fault)
+def _train(out, fault: str, mp: pytest.MonkeyPatch, said: list[str], **extra):
+    mp.setenv(FAULT_ENV, fault)
     g = load_graph("grpo", overrides={**TWO, **extra})
     trainer = Trainer(g, backend="ray", steps=STEPS, out=out, say=said.append)
     try:
@@ -35,18 +31,18 @@ def _train(out, fault: str | None, mp: pytest.MonkeyPatch, said: list[str], **ex
 
 
 @pytest.fixture(scope="module")
-def runs(ray_session, tmp_path_factory):
+def runs(two_worker_grpo_run, tmp_path_factory):
+    """The killed run, and the uninterrupted one (the session's: the same job without the restart)."""
     mp = pytest.MonkeyPatch()
     root = tmp_path_factory.mktemp("rollback")
-    out = {}
+    said: list[str] = []
     try:
-        for name, fault, extra in (("clean", None, {}), ("killed", KILL, {"pools.train.max_restarts": 1})):
-            said: list[str] = []
-            trainer, history, error = _train(root / name, fault, mp, said, **extra)
-            out[name] = (trainer, history, error, said, root / name)
+        trainer, history, error = _train(root / "killed", KILL, mp, said, **{"pools.train.max_restarts": 1})
     finally:
         mp.undo()
-    return out
+    clean_dir, clean_rows = two_worker_grpo_run
+    return {"clean": (None, clean_rows, None, [], clean_dir),
+            "killed": (trainer, history, error, said, root / "killed")}
 
 
 def _computed(row: dict) -> dict:

@@ -346,7 +346,9 @@ def test_a_second_sigterm_aborts_and_loses_nothing_already_saved(tmp_path):
     resumed = cli("run", "grpo", "--backend", "local", "--steps", str(steps), "--out", str(cut), "--resume",
                   *TINY_SET, *slow_set)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    full = train(tmp_path / "full", steps=steps, **slow)
+    # the uninterrupted run without the sleep: compute_score_slowly is compute_score_batched, 0.8 s later
+    full = train(tmp_path / "full", steps=steps,
+                 **{**slow, "nodes.reward.fn": "tests.userpkg.verl_rewards:compute_score_batched"})
     assert values(rows(cut)) == values(full)
 
 
