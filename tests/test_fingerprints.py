@@ -150,3 +150,25 @@ def test_the_digest_of_weights_sharded_by_rows_is_the_whole_weights_digest():
     assert combine_digests(parts) == whole
     assert [d for _, k, d in got if k == 1] == [None, None]  # not whole rows: no digest rather than a wrong one
     assert combine_digests([whole, whole]) == whole  # full copies on every rank: not added
+
+
+def test_a_task_s_fields_digested_together_equal_each_digested_alone():
+    from flowrl.runtime.fingerprints import _row_digests, fields_print
+
+    g = torch.Generator().manual_seed(0)
+    cols = [("f32", torch.randn(6, 3, generator=g)), ("ids", torch.randint(0, 100, (6, 8), generator=g)),
+            ("bf16", torch.randn(6, 4, generator=g).bfloat16()), ("flag", torch.randint(0, 2, (6,), generator=g).bool()),
+            ("f16", torch.randn(6, 2, 5, generator=g).half()), ("i32", torch.arange(6, dtype=torch.int32)),
+            ("other_rows", torch.randn(3, 3, generator=g)), ("scalar", torch.tensor(3.0)),
+            ("sliced", torch.randn(10, 4, generator=g)[2:8]), ("strided", torch.randn(6, 7, generator=g)[:, 1:5])]
+    together = fields_print(cols)
+    assert list(together) == [name for name, _ in cols]
+    for name, value in cols:  # the same as one field at a time, and as one tensor's own digest
+        assert together[name] == field_print(value) and together[name]["rows"] == _row_digests(value), name
+    # one element changed changes that field's digest of that row only
+    changed = [(n, v.clone()) for n, v in cols]
+    changed[0][1][4, 1] += 1e-6
+    after = fields_print(changed)
+    differ = [n for n in after if after[n]["rows"] != together[n]["rows"]]
+    rows_a, rows_b = row_digests(together["f32"]), row_digests(after["f32"])
+    assert differ == ["f32"] and [i for i in range(6) if rows_a[i] != rows_b[i]] == [4]

@@ -38,7 +38,7 @@ from flowrl.data import DataProto
 from flowrl.data.dispatch import ROW_INDEX, task_rows
 from flowrl.data.metrics import measured
 from flowrl.graph import Graph
-from flowrl.runtime.digest import combine_digests, mixed_rows, weights_digest
+from flowrl.runtime.digest import combine_digests, mixed_rows, mixed_rows_of, weights_digest
 from flowrl.runtime.invariants import Invariants
 from flowrl.runtime.rundiff import FILE, FORMAT, ROW_HEX, SOURCE, format_of, row_digests
 from flowrl.runtime.sinks import read_metrics
@@ -50,14 +50,22 @@ MASK = "response_mask"
 
 
 # ---------------------------------------------------------------------- worker side
+def _hex(mixed: np.ndarray) -> str:
+    """Row digests as one string, :data:`ROW_HEX` hex characters each (the low 48 bits of each)."""
+    big_endian = mixed.view(np.uint64).astype(">u8").view(np.uint8).reshape(-1, 8)
+    return big_endian[:, 8 - ROW_HEX // 2:].tobytes().hex()
+
+
+def _key(t: torch.Tensor) -> str:
+    return f"{t.dtype}|{tuple(t.shape[1:])}"
+
+
 def _row_digests(value: Any) -> str:
     """One digest per row, :data:`ROW_HEX` hex characters each, as one string (cheaper to send and write
-    than a list): of a tensor row's exact bits (:func:`~flowrl.runtime.digest.mixed_rows`, its low 48 bits), of an object's
-    ``repr`` (each distinct object once: rows repeated per sample share theirs)."""
+    than a list): of a tensor row's exact bits (:func:`~flowrl.runtime.digest.mixed_rows`, its low 48 bits),
+    of an object's ``repr`` (each distinct object once: rows repeated per sample share theirs)."""
     if isinstance(value, torch.Tensor):
-        mixed = mixed_rows(value.detach(), None, f"{value.dtype}|{tuple(value.shape[1:])}")
-        big_endian = mixed.view(np.uint64).astype(">u8").view(np.uint8).reshape(-1, 8)
-        return big_endian[:, 8 - ROW_HEX // 2:].tobytes().hex()
+        return _hex(mixed_rows(value.detach(), None, _key(value)))
     seen: dict[int, str] = {}
     out = []
     for v in value:
@@ -90,13 +98,31 @@ def _stats(t: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
 
 def field_print(value: Any, mask: torch.Tensor | None = None) -> dict[str, Any]:
     """One field of one rank's output: row digests, shape, dtype, statistics."""
-    if isinstance(value, torch.Tensor):
-        shape, dtype = list(value.shape), str(value.dtype).replace("torch.", "")
+    return fields_print([("field", value)], mask)["field"]
+
+
+def fields_print(columns: Iterable[tuple[str, Any]], mask: torch.Tensor | None = None) -> dict[str, Any]:
+    """:func:`field_print` of each ``(name, value)``; the row digests of CPU tensors with one row count
+    computed together (:func:`~flowrl.runtime.digest.mixed_rows_of`), the same digests."""
+    out: dict[str, dict[str, Any]] = {}
+    together: dict[int, list[tuple[str, torch.Tensor]]] = {}  # row count → CPU tensors
+    for name, value in columns:
+        if not isinstance(value, torch.Tensor):
+            out[name] = {"rows": _row_digests(value), "shape": [len(value)], "dtype": "object"}
+            continue
         use = mask if mask is not None and tuple(mask.shape) == tuple(value.shape) else None
         stats = _stats(value, use) if value.is_floating_point() and value.dim() else {}
-    else:
-        shape, dtype, stats = [len(value)], "object", {}
-    return {"rows": _row_digests(value), "shape": shape, "dtype": dtype, **stats}
+        out[name] = {"rows": None, "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
+                     **stats}
+        if value.device.type == "cpu" and value.dim():
+            together.setdefault(value.shape[0], []).append((name, value.detach()))
+        else:
+            out[name]["rows"] = _row_digests(value)
+    for group in together.values():
+        mixed = mixed_rows_of([t for _, t in group], [_key(t) for _, t in group])
+        for k, (name, _) in enumerate(group):
+            out[name]["rows"] = _hex(mixed[:, k])
+    return out
 
 
 def role_weights(role_obj: Any) -> str | None:
@@ -111,7 +137,7 @@ def source_prints(batch: DataProto, names: Iterable[str]) -> dict[str, Any]:
     """The data-source fields ``names`` of a task's input, as :func:`field_print` (taken before
     the operator runs: it sees its own names for renamed fields)."""
     wanted = set(names)
-    return {name: field_print(value) for name, value in _columns(batch) if name in wanted} if wanted else {}
+    return fields_print((name, value) for name, value in _columns(batch) if name in wanted) if wanted else {}
 
 
 class WeightDigests:
@@ -141,7 +167,7 @@ def task_prints(out: DataProto, batch: DataProto, source: dict[str, Any], role: 
         if part.batch is not None and MASK in part.batch.keys():
             mask = part.batch[MASK]
             break
-    fields = {name: field_print(value, mask) for name, value in _columns(out)}
+    fields = fields_print(_columns(out), mask)
     at = task_rows(out)
     prints: dict[str, Any] = {"fields": fields, "source": source, "at": at.tolist() if at is not None else None}
     if used is not None:
@@ -291,5 +317,5 @@ class FingerprintLog:
             self.file.close()
 
 
-__all__ = ["FingerprintLog", "WeightDigests", "field_print", "graph_header", "role_weights", "source_prints", "step_record",
+__all__ = ["FingerprintLog", "WeightDigests", "field_print", "fields_print", "graph_header", "role_weights", "source_prints", "step_record",
            "task_prints"]
