@@ -5,7 +5,10 @@ seeds), ``max_new_tokens`` new tokens, through each engine's ``generate``;
 reported are real (response-mask) tokens per second of each and the ratio
 vLLM / hf, vLLM's start-up, and the time to push the model's weights into the
 running vLLM engine (``update_weights``, in 64 MiB buckets) against their size.
-Each engine gets one untimed warm-up call first. Nothing is asserted: timings on
+Each engine gets one untimed warm-up call first. Then the default job (``grpo``,
+local backend) for ``--steps`` steps on each engine: where its step time goes
+(median seconds of the step, ``generate``, and ``update_actor``, which holds the
+push into vLLM and its check). Nothing is asserted: timings on
 a shared machine are noisy; run it twice before believing a ratio.
 
 It needs vLLM for its vLLM half: run it with build/vllm-venv's Python (``bash
@@ -14,6 +17,7 @@ scripts/vllm_env.sh``). Without vLLM it runs the hf half alone and says so.
     build/vllm-venv/bin/python benchmarks/engines.py --smoke    # builtin:tiny, fp32, 8 tokens: mostly start-up
     build/vllm-venv/bin/python benchmarks/engines.py                # builtin:tiny and llama-25m, fp32 and bf16
     build/vllm-venv/bin/python benchmarks/engines.py --models builtin:tiny --lengths 128 512
+    build/vllm-venv/bin/python benchmarks/engines.py --models --steps 40       # the default job's steps only
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import _common  # noqa: F401  (repository on sys.path, one torch thread)
 import torch
 
 from _common import print_table
+from flowrl.graph import load_graph
+from flowrl.runtime.trainer import Trainer
 from operators.models import load_model
 from operators.rollout import HFRolloutEngine, SamplingParams
 from operators.rollout.base import prompt_seeds
@@ -54,17 +60,35 @@ def timed_generate(engine, ids, mask, params, seeds) -> tuple[float, int]:
     return time.perf_counter() - start, int(out["response_mask"].sum())
 
 
+def default_job_steps(engine: str, steps: int, overrides: dict) -> list[str]:
+    """The default job on ``engine`` for ``steps`` steps (local backend): medians after the first step."""
+    graph = load_graph("grpo", overrides={**overrides, "roles.actor.rollout.engine": engine, "trainer.val_every": 0,
+                                          "trainer.checkpoint_every": 0})
+    with tempfile.TemporaryDirectory() as out:
+        rows = Trainer(graph, backend="local", steps=steps, out=out, say=lambda _: None).run()[1:]
+
+    def median(key: str) -> str:
+        values = sorted(r[key] for r in rows if key in r)
+        return f"{values[len(values) // 2]:.3f}" if values else "-"
+
+    return [engine, str(len(rows)), median("timing/step"), median("timing/generate"), median("timing/update_actor"),
+            median("actor/rollout/weight_push_s")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", nargs="+", default=["builtin:tiny", "llama-25m"], choices=list(MODELS))
+    parser.add_argument("--models", nargs="*", default=["builtin:tiny", "llama-25m"], choices=list(MODELS))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--lengths", nargs="+", type=int, default=[128])
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=40, help="steps of the default job per engine (0: none)")
     parser.add_argument("--smoke", action="store_true", help="builtin:tiny, fp32, 8 prompts x 2 samples x 8 tokens")
     args = parser.parse_args()
+    job: dict = {}
     if args.smoke:
         args.models, args.dtypes, args.lengths, args.prompts, args.n = ["builtin:tiny"], ["float32"], [8], 8, 2
+        args.steps, job = 3, {"data.batch_size": 4, "nodes.generate.n": 2}
 
     has_vllm = importlib.util.find_spec("vllm") is not None
     ids, mask = prompts(args.prompts)
@@ -114,10 +138,13 @@ def main() -> None:
                        "(sampling streams differ)"]
                 + ([] if has_vllm else ["vLLM is not installed in this Python: the hf half only (run it with "
                                         "build/vllm-venv/bin/python, built by `bash scripts/vllm_env.sh`)"]))
-    if not has_vllm:
-        return
-    print_table("weight push into the running vLLM engine (best of 3)",
-                ["model", "dtype", "MiB", "buckets", "seconds", "MiB/s"], push_rows)
+    if has_vllm and push_rows:
+        print_table("weight push into the running vLLM engine (best of 3)",
+                    ["model", "dtype", "MiB", "buckets", "seconds", "MiB/s"], push_rows)
+    if args.steps > 1:
+        steps = [default_job_steps(engine, args.steps, job) for engine in (["hf", "vllm"] if has_vllm else ["hf"])]
+        print_table(f"the default job (grpo, local backend), median of steps 2-{args.steps}",
+                    ["engine", "steps", "step s", "generate s", "update_actor s (push, check)", "push s"], steps)
 
 
 if __name__ == "__main__":

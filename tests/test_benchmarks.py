@@ -28,7 +28,7 @@ EXPECTED = {
     "distributed.py": ["one update step", "2 workers, rank 1"],
     "driver_memory.py": ["driver RSS of", "ratio last/warm-up"],
     "e2e.py": ["GRPO end to end", "flowrl grpo (local, sync)", "plain PyTorch stage by stage"],
-    "engines.py": ["rollout engines", "hf tok/s"],
+    "engines.py": ["rollout engines", "hf tok/s", "the default job (grpo, local backend)"],
     "fingerprints.py": ["fingerprints: grpo", "with fingerprints", "fingerprint work, timed"],
     "metrics_snapshot.py": ["grpo           local recorded 2 steps", "MATCH: identical"],
     "plain_grpo.py": ["done: 3 steps"],
