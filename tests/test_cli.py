@@ -142,14 +142,19 @@ def test_validate_reports_what_only_the_planner_sees():
 
 
 def test_plan_and_validate_plan_for_the_backend_the_run_uses():
-    # 1 prompt × 2 samples over 4 workers: on ray the update runs data parallel and two ranks would
-    # get no row (refused); on local every thread takes the whole batch (fine)
-    few = ["--set", "pools.train.workers=4", "--set", "pools.train.cpus=0.25", "--set", "data.batch_size=1",
-           "--set", "nodes.generate.n=2"]
+    # 1 prompt × 2 samples (generated on their own pool) over 4 train workers: on ray the update runs
+    # data parallel and two ranks would get no row (refused); on local every thread takes the whole batch
+    few = ["--set", "pools.train.workers=4", "--set", "pools.train.cpus=0.25", "--set", "pools.gen.cpus=0.5",
+           "--set", "data.batch_size=1", "--set", "nodes.generate.n=2"]
     for command in ("validate", "plan"):
-        ray = invoke(command, "grpo", *few)
+        ray = invoke(command, "grpo_async", *few)
         assert ray.exit_code == 1 and "'update_actor'" in ray.output and "only 2 rows" in ray.output
-        assert invoke(command, "grpo", *few, "--backend", "local").exit_code == 0
+        assert invoke(command, "grpo_async", *few, "--backend", "local").exit_code == 0
+    # a rollout split over more ranks than it has prompts is refused on either backend
+    for backend in ("ray", "local"):
+        res = invoke("validate", "grpo", "--set", "pools.train.workers=2", "--set", "data.batch_size=8",
+                     "--set", "schedule.micro_batches=8", "--backend", backend)
+        assert res.exit_code == 1 and "'generate'" in res.output and "schedule.micro_batches" in res.output
     res = invoke("plan", "grpo", "--backend", "lokal")
     assert res.exit_code == 2 and "unknown backend 'lokal'" in res.output
 
