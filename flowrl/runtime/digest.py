@@ -93,6 +93,8 @@ def mixed_rows_of(tensors: list[torch.Tensor], keys: list[str]) -> np.ndarray:
     words = [_words(t).numpy() for t in tensors]
     widths = tuple(w.shape[1] for w in words)
     if widths not in _BLOCKS:
+        if len(_BLOCKS) >= 256:  # response widths vary by step: keep the cache bounded
+            _BLOCKS.clear()
         block, at = np.zeros((sum(widths), len(widths)), dtype=np.int64), 0
         for k, w in enumerate(widths):
             block[at:at + w, k] = _column_weights(w).numpy()
