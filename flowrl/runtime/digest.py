@@ -135,20 +135,58 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]] | None) -> str | No
 
     The sum mod 2^64 of :func:`mixed_rows` over every row of every tensor (finished together, in one
     pass): a sum over disjoint sets of rows equals the whole tensor's, so the digest of weights sharded
-    by rows (FSDP2) is the same at any worker count."""
+    by rows (FSDP2) is the same at any worker count. What depends only on the names, dtypes and shapes
+    (each tensor's column weights, its rows' place in one buffer, the keys and row indices mixed in) is
+    worked out once per layout (:class:`_Layout`): per step only the products are computed."""
     if named is None:
         return None
-    weighted, index, partial = [], [], False
+    tensors, keys, partial = [], [], False
     for name, t in named:
         rows = _local_rows(name, t)
         if rows is None:  # sharded other than by rows: no digest rather than a wrong one
             return None
         local, first, key, part = rows
-        weighted.append(_weighted_rows(local, key))
-        index.append(_row_index(weighted[-1].shape[0], first))
+        tensors.append(local)
+        keys.append((key, first))
         partial = partial or part
-    total = int(_finish(np.concatenate(weighted), np.concatenate(index)).sum()) % (1 << 64) if weighted else 0
-    return ("p:" if partial else "") + f"{total:016x}"
+    layout = _LAYOUTS.get(tuple(keys))
+    if layout is None:
+        if len(_LAYOUTS) >= 16:  # a handful of roles per worker; anything else is a reshaped model
+            _LAYOUTS.clear()
+        layout = _LAYOUTS[tuple(keys)] = _Layout(tensors, keys)
+    return ("p:" if partial else "") + f"{layout.digest(tensors):016x}"
+
+
+class _Layout:
+    """The constant part of :func:`weights_digest` for one list of (key, first row): where each
+    tensor's row sums go in one buffer, its column weights, and what each row adds before the finish
+    (its key's multiplier and its index's)."""
+
+    def __init__(self, tensors: list[torch.Tensor], keys: list[tuple[str, int]]) -> None:
+        self.parts: list[tuple[int, int, np.ndarray]] = []  # (start, end, column weights) per tensor
+        adds, at = [], 0
+        for local, (key, first) in zip(tensors, keys):
+            rows, width = _words(local).shape
+            self.parts.append((at, at + rows, _column_weights(width).numpy()))
+            adds.append(np.int64(_odd(key)) + _row_index(rows, first) * np.int64(_odd("row")))
+            at += rows
+        self.adds = np.concatenate(adds) if adds else np.zeros(0, dtype=np.int64)
+
+    def digest(self, tensors: list[torch.Tensor]) -> int:
+        sums = np.empty_like(self.adds)
+        for local, (start, end, weights) in zip(tensors, self.parts):
+            words = _words(local)
+            if words.device.type != "cpu":  # on an accelerator: only the sums move
+                sums[start:end] = (words * torch.from_numpy(weights).to(words.device)).sum(dim=1).cpu().numpy()
+            elif words.numel() > 4096:  # numpy's einsum beats its matmul on integers, except for small ones
+                np.einsum("ij,j->i", words.numpy(), weights, out=sums[start:end])
+            else:
+                np.matmul(words.numpy(), weights, out=sums[start:end])
+        sums += self.adds
+        return int(_finish(sums, None).sum(dtype=np.uint64)) if len(sums) else 0
+
+
+_LAYOUTS: dict[tuple[tuple[str, int], ...], _Layout] = {}
 
 
 @functools.lru_cache(maxsize=4096)

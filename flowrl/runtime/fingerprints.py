@@ -5,7 +5,8 @@ output field a digest of each row's exact bytes, the row positions when a rank
 holds rows of a balanced task, and statistics (rows, mean, min, max, NaN and inf
 counts; over real tokens where ``response_mask`` of the same shape applies); per
 role a digest of the weights the task ran on and, for an update, of the weights it
-left. Fields read from the data source are printed by the first node reading them.
+left. Fields read from the data source are printed by the first node reading them
+(:func:`source_readers`).
 
 Driver side (:class:`FingerprintLog`): the reports of one step are put back in row
 order (micro-batches in order, each task's ranks by their positions), so a digest
@@ -63,16 +64,16 @@ def _key(t: torch.Tensor) -> str:
 def _row_digests(value: Any) -> str:
     """One digest per row, :data:`ROW_HEX` hex characters each, as one string (cheaper to send and write
     than a list): of a tensor row's exact bits (:func:`~flowrl.runtime.digest.mixed_rows`, its low 48 bits),
-    of an object's ``repr`` (each distinct object once: rows repeated per sample share theirs)."""
+    of an object's ``repr`` (each distinct object once: rows repeated per sample share theirs, found by
+    identity in one sort rather than a loop over the rows)."""
     if isinstance(value, torch.Tensor):
         return _hex(mixed_rows(value.detach(), None, _key(value)))
-    seen: dict[int, str] = {}
-    out = []
-    for v in value:
-        if id(v) not in seen:
-            seen[id(v)] = hashlib.blake2b(repr(v).encode(), digest_size=ROW_HEX // 2).hexdigest()
-        out.append(seen[id(v)])
-    return "".join(out)
+    if not len(value):
+        return ""
+    ids = np.fromiter(map(id, value), dtype=np.int64, count=len(value))
+    _, first, where = np.unique(ids, return_index=True, return_inverse=True)
+    hexes = [hashlib.blake2b(repr(value[i]).encode(), digest_size=ROW_HEX // 2).hexdigest() for i in first]
+    return np.array(hexes, dtype=f"S{ROW_HEX}")[where].tobytes().decode()
 
 
 def _stats(t: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
@@ -138,6 +139,19 @@ def source_prints(batch: DataProto, names: Iterable[str]) -> dict[str, Any]:
     the operator runs: it sees its own names for renamed fields)."""
     wanted = set(names)
     return fields_print((name, value) for name, value in _columns(batch) if name in wanted) if wanted else {}
+
+
+def source_readers(graph: Graph) -> dict[str, tuple[str, ...]]:
+    """Node → the data-source fields it prints (:func:`source_prints`): those it is the first to read,
+    in topological order (each field once per step: later readers see the same rows)."""
+    sources, first = {f.name for f in graph.source_fields}, {}
+    for node in graph.topological_order():
+        for name in sorted(set(graph.nodes[node].input_names()) & (sources - first.keys())):
+            first[name] = node
+    out: dict[str, tuple[str, ...]] = {}
+    for name, node in first.items():
+        out[node] = out.get(node, ()) + (name,)
+    return out
 
 
 class WeightDigests:
@@ -317,5 +331,5 @@ class FingerprintLog:
             self.file.close()
 
 
-__all__ = ["FingerprintLog", "WeightDigests", "field_print", "fields_print", "graph_header", "role_weights", "source_prints", "step_record",
-           "task_prints"]
+__all__ = ["FingerprintLog", "WeightDigests", "field_print", "fields_print", "graph_header", "role_weights", "source_prints",
+           "source_readers", "step_record", "task_prints"]

@@ -30,7 +30,7 @@ from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.runtime.errors import NodeError, StalenessError
 from flowrl.runtime.faults import Fault, Injector, RefillNeeded, run_guarded
 from flowrl.runtime.hangs import thread_stacks
-from flowrl.runtime.fingerprints import WeightDigests, source_prints, task_prints
+from flowrl.runtime.fingerprints import WeightDigests, source_prints, source_readers, task_prints
 from flowrl.runtime.pools import RoleBuild
 from flowrl.runtime.rowspace import input_space
 
@@ -68,13 +68,13 @@ class NodeEntry:
     group: int = 1  # input rows per prompt: a group, for on_error drop_group without a uid column
     fault: Fault | None = None  # the fault switch, when it names this node
     fingerprint: bool = False  # report the output's fingerprints (flowrl.runtime.fingerprints)
-    source_inputs: tuple[str, ...] = ()  # the data-source fields it reads (fingerprinted by their first reader)
+    source_inputs: tuple[str, ...] = ()  # the data-source fields it is the first to read (it fingerprints them)
 
 
 def node_entries(plan: Plan, fault: Fault | None = None) -> dict[str, NodeEntry]:
     """What workers need to run each node of ``plan``'s graph (``fault``: the fault switch)."""
     graph = plan.graph
-    sources = {f.name for f in graph.source_fields}
+    printed = source_readers(graph)
     return {
         n: NodeEntry(node.op, node.params, node.role,
                      inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
@@ -82,7 +82,7 @@ def node_entries(plan: Plan, fault: Fault | None = None) -> dict[str, NodeEntry]
                      group=input_space(graph, plan.spaces, n).factor,
                      fault=fault if fault is not None and fault.node == n else None,
                      fingerprint=graph.config.trainer.fingerprints,
-                     source_inputs=tuple(sorted(set(node.input_names()) & sources)))
+                     source_inputs=printed.get(n, ()))
         for n, node in graph.nodes.items()
     }
 
