@@ -186,6 +186,7 @@ def test_digest_format_2_is_pinned():
     """Digests written by earlier commits stay comparable: a change to how digests are computed that
     changes their values must come with a new FORMAT (flowrl diff refuses to compare across formats)."""
     from flowrl.runtime.digest import mixed_rows_of
+    from flowrl.runtime.fingerprints import fields_print
 
     w = _golden_weights()
     assert FORMAT == 2 and weights_digest(w.items()) == "777473c185398263"
@@ -194,6 +195,9 @@ def test_digest_format_2_is_pinned():
     mixed = mixed_rows_of(cols, ["a", "b", "c"])
     assert [f"{int(x) % (1 << 64):016x}" for x in mixed.reshape(-1)[:4]] == [
         "7201098ed821d125", "2bb15cbbf9ef558d", "27899d7285992b4f", "dcd58e52dbfdcb21"]
+    fields = fields_print([("ids", torch.arange(6).reshape(3, 2)), ("f", torch.tensor([[0.5, -1.0, 2.0], [3.0, 4.0, 5.0]]))])
+    assert fields["ids"]["rows"] == "ee8b2ec91d87042adc27a381133dbb71d8dd"
+    assert fields["f"]["rows"] == "07acd746fad50d677d5a1bb0"
 
 
 def test_an_object_column_digests_each_row_s_repr():

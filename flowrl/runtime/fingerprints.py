@@ -51,10 +51,13 @@ MASK = "response_mask"
 
 
 # ---------------------------------------------------------------------- worker side
-def _hex(mixed: np.ndarray) -> str:
-    """Row digests as one string, :data:`ROW_HEX` hex characters each (the low 48 bits of each)."""
-    big_endian = mixed.view(np.uint64).astype(">u8").view(np.uint8).reshape(-1, 8)
-    return big_endian[:, 8 - ROW_HEX // 2:].tobytes().hex()
+def _hex(mixed: np.ndarray) -> list[str]:
+    """Row digests as one string per column of ``mixed`` (rows, columns), :data:`ROW_HEX` hex characters
+    per row (the low 48 bits of each): one conversion for all columns, then cut."""
+    cols = mixed.reshape(mixed.shape[0], -1)
+    big_endian = np.ascontiguousarray(cols.view(np.uint64).T, dtype=">u8").view(np.uint8).reshape(cols.shape[1], -1, 8)
+    text, size = big_endian[:, :, 8 - ROW_HEX // 2:].tobytes().hex(), cols.shape[0] * ROW_HEX
+    return [text[k * size:(k + 1) * size] for k in range(cols.shape[1])]
 
 
 def _key(t: torch.Tensor) -> str:
@@ -67,7 +70,7 @@ def _row_digests(value: Any) -> str:
     of an object's ``repr`` (each distinct object once: rows repeated per sample share theirs, found by
     identity in one sort rather than a loop over the rows)."""
     if isinstance(value, torch.Tensor):
-        return _hex(mixed_rows(value.detach(), None, _key(value)))
+        return _hex(mixed_rows(value.detach(), None, _key(value)))[0]
     if not len(value):
         return ""
     ids = np.fromiter(map(id, value), dtype=np.int64, count=len(value))
@@ -77,10 +80,10 @@ def _row_digests(value: Any) -> str:
 
 
 def _stats(t: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
-    """Sum, count, min, max, NaN and inf of a float tensor (over ``mask`` where given); the
+    """Sum, count, min, max, NaN and inf of a float tensor (over the bool ``mask`` where given); the
     first row holding a NaN or inf."""
     values = t.detach()
-    real = values[mask.bool()] if mask is not None else values.reshape(-1)
+    real = values[mask] if mask is not None else values.reshape(-1)
     total = float(real.double().sum()) if real.numel() else 0.0
     if math.isfinite(total):  # no NaN or inf among them (the common case: two operations)
         lo, hi = torch.aminmax(real) if real.numel() else (None, None)
@@ -107,11 +110,12 @@ def fields_print(columns: Iterable[tuple[str, Any]], mask: torch.Tensor | None =
     computed together (:func:`~flowrl.runtime.digest.mixed_rows_of`), the same digests."""
     out: dict[str, dict[str, Any]] = {}
     together: dict[int, list[tuple[str, torch.Tensor]]] = {}  # row count → CPU tensors
+    real = mask.bool() if mask is not None else None
     for name, value in columns:
         if not isinstance(value, torch.Tensor):
             out[name] = {"rows": _row_digests(value), "shape": [len(value)], "dtype": "object"}
             continue
-        use = mask if mask is not None and tuple(mask.shape) == tuple(value.shape) else None
+        use = real if real is not None and real.shape == value.shape else None
         stats = _stats(value, use) if value.is_floating_point() and value.dim() else {}
         out[name] = {"rows": None, "shape": list(value.shape), "dtype": str(value.dtype).replace("torch.", ""),
                      **stats}
@@ -120,9 +124,9 @@ def fields_print(columns: Iterable[tuple[str, Any]], mask: torch.Tensor | None =
         else:
             out[name]["rows"] = _row_digests(value)
     for group in together.values():
-        mixed = mixed_rows_of([t for _, t in group], [_key(t) for _, t in group])
-        for k, (name, _) in enumerate(group):
-            out[name]["rows"] = _hex(mixed[:, k])
+        hexes = _hex(mixed_rows_of([t for _, t in group], [_key(t) for _, t in group]))
+        for (name, _), rows in zip(group, hexes):
+            out[name]["rows"] = rows
     return out
 
 
@@ -240,17 +244,10 @@ def step_record(step: int, plan: "Plan", infos: list[Any], syncs: list[Any] = ()
             continue
         for kind, node in (("fields", info.node), ("source", SOURCE)):
             for name, fp in p[kind].items():
-                per_node.setdefault(node, {}).setdefault(name, []).append((info.node, info.mb, fp, p["at"]))
-    nodes: dict[str, Any] = {}
-    order = plan.graph.topological_order()
-    for node, fields in per_node.items():
-        merged = {}
-        for name, parts in fields.items():
-            if node == SOURCE:  # the first reader's copy (in topological order) only
-                reader = next(n for n in order if any(q[0] == n for q in parts))
-                parts = [q for q in parts if q[0] == reader]
-            merged[name] = _merge([(fp, at) for _, _, fp, at in parts])
-        nodes[node] = {"fields": merged}
+                # a data-source field comes from its first reader alone (source_readers)
+                per_node.setdefault(node, {}).setdefault(name, []).append((fp, p["at"]))
+    nodes = {node: {"fields": {name: _merge(parts) for name, parts in fields.items()}}
+             for node, fields in per_node.items()}
     for node, ranks in weights.items():
         w = ranks[0].prints["weights"]
         nodes.setdefault(node, {"fields": {}})["weights"] = {
@@ -315,7 +312,7 @@ class FingerprintLog:
                              if not measured(k) and isinstance(v, (int, float))}
         found = self.checks.check(record, result) if self.checks is not None else []
         record["invariants"] = found
-        self.file.write(json.dumps(record) + "\n")
+        self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
         self.file.flush()
         if self.checks is not None:
             self.checks.raise_if_fatal(found)
