@@ -5,14 +5,15 @@ with a few statistics, and every role's weights are digested before each task
 that uses them and after each update (:mod:`flowrl.runtime.fingerprints`). This
 runs the default job (``grpo``, local backend) with ``trainer.fingerprints`` on
 and off, alternating runs so that a busy machine slows both alike, and prints
-the median step time of each and their ratio (the target: at most 1.02). On a
+the median step time of each and their ratio (the target: at most 1.02). The order
+alternates (off-on, on-off, ...), so that neither variant always runs warmer. On a
 shared machine that ratio is noisy, so it also times the fingerprint work itself
 (the CPU time of the worker's digests and the driver's record, in process on the
 local backend) and prints it as a share of the step.
 
 Example::
 
-    PYTHONPATH=$PWD python benchmarks/fingerprints.py            # 3 runs each of 12 steps
+    PYTHONPATH=$PWD python benchmarks/fingerprints.py            # 4 runs each of 12 steps
     PYTHONPATH=$PWD python benchmarks/fingerprints.py --smoke    # 1 run each of 3 small steps
 """
 
@@ -71,13 +72,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check that it runs")
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=4)
     args = parser.parse_args()
     steps, runs, overrides = (3, 1, SMALL) if args.smoke else (args.steps, args.runs, {})
     instrument()
     times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(runs):
-        for on in (False, True):
+    for run in range(runs):  # off-on, then on-off: neither variant always runs second (warmer)
+        for on in ((False, True) if run % 2 == 0 else (True, False)):
             times[on] += step_times(on, steps, overrides)
     off, on = statistics.median(times[False]), statistics.median(times[True])
     per_step = SPENT[0] / (runs * steps)
@@ -86,7 +87,8 @@ def main() -> None:
                 ["variant", "steps", "median step s", "ratio"],
                 [["without fingerprints", str(len(times[False])), f"{off:.3f}", "1.000"],
                  ["with fingerprints", str(len(times[True])), f"{on:.3f}", f"{on / off:.3f}"]],
-                ["ratio: with / without (target <= 1.02); runs alternate, so load on the machine hits both",
+                ["ratio: with / without (target <= 1.02); runs alternate (off-on, on-off, ...), so load on the machine "
+                  "hits both",
                  f"fingerprint work, timed: {per_step * 1000:.1f} ms CPU per step = {per_step / on:.2%} of the "
                  f"median step with them"])
 

@@ -228,3 +228,26 @@ def test_each_data_source_field_is_printed_by_its_first_reader_only(tmp_path):
             assert f in g.nodes[node].input_names()
             assert not any(f in g.nodes[n].input_names() for n in order[:order.index(node)])
     assert set(printed) == {f.name for f in g.source_fields} & {f for n in g.nodes.values() for f in n.input_names()}
+
+
+def test_a_digester_kept_across_updates_equals_a_fresh_digest_every_time():
+    from flowrl.runtime.digest import WeightsDigester
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    digester, seen = WeightsDigester(), set()
+    for step in range(4):
+        loss = model(torch.randn(5, 8)).square().mean()
+        loss.backward()
+        opt.step()  # in place: the digester's views see the new values
+        opt.zero_grad()
+        now = digester(model.state_dict(keep_vars=True).items())
+        assert now == weights_digest(model.state_dict().items()) and now not in seen
+        seen.add(now)
+    with torch.no_grad():  # weights replaced, reshaped in place, transposed: noticed, not read through stale views
+        model[0].weight.data = model[0].weight.data.clone() * 2
+        assert digester(model.state_dict(keep_vars=True).items()) == weights_digest(model.state_dict().items())
+        model[2].weight.data = model[2].weight.data.t().contiguous().t()
+        assert digester(model.state_dict(keep_vars=True).items()) == weights_digest(model.state_dict().items())
+    w = _golden_weights()
+    assert digester(w.items()) == weights_digest(w.items()) == "777473c185398263"

@@ -149,12 +149,49 @@ def weights_digest(named: Iterable[tuple[str, torch.Tensor]] | None) -> str | No
         tensors.append(local)
         keys.append((key, first))
         partial = partial or part
+    words = [_words(t) for t in tensors]
+    return ("p:" if partial else "") + f"{_layout(words, keys).digest([_host(w) for w in words]):016x}"
+
+
+class WeightsDigester:
+    """:func:`weights_digest` of one model's weights, called after update after update: the words of each
+    CPU tensor are viewed once and reused while the tensors keep their storage (an optimizer updates in
+    place), so a call is one product per tensor. It holds the storage of the weights it last digested:
+    keep it no longer than the model (:class:`~flowrl.runtime.fingerprints.WeightDigests` drops it on a load).
+    Sharded or accelerator tensors: :func:`weights_digest` each time."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._layout: _Layout | None = None
+        self._words: list[np.ndarray | None] = []  # a tensor's words when they are its memory (else made per call)
+
+    def __call__(self, named: Iterable[tuple[str, torch.Tensor]] | None) -> str | None:
+        if named is None:
+            return None
+        pairs = list(named)
+        if any(hasattr(t, "to_local") or t.device.type != "cpu" for _, t in pairs):
+            return weights_digest(pairs)
+        key = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in pairs)
+        if key != self._key:
+            words = [_words(t.detach()).numpy() for _, t in pairs]
+            self._layout = _layout(words, [(f"{name}|{t.dtype}|{tuple(t.shape)}", 0) for name, t in pairs])
+            self._words = [w if w.size and w.ctypes.data == t.data_ptr() else None for w, (_, t) in zip(words, pairs)]
+            self._key = key
+        words = [w if w is not None else _words(t.detach()).numpy() for w, (_, t) in zip(self._words, pairs)]
+        return f"{self._layout.digest(words):016x}"
+
+
+def _host(words: torch.Tensor) -> np.ndarray | torch.Tensor:
+    return words.numpy() if words.device.type == "cpu" else words
+
+
+def _layout(words: list[np.ndarray | torch.Tensor], keys: list[tuple[str, int]]) -> "_Layout":
     layout = _LAYOUTS.get(tuple(keys))
     if layout is None:
         if len(_LAYOUTS) >= 16:  # a handful of roles per worker; anything else is a reshaped model
             _LAYOUTS.clear()
-        layout = _LAYOUTS[tuple(keys)] = _Layout(tensors, keys)
-    return ("p:" if partial else "") + f"{layout.digest(tensors):016x}"
+        layout = _LAYOUTS[tuple(keys)] = _Layout([w.shape for w in words], keys)
+    return layout
 
 
 class _Layout:
@@ -162,26 +199,25 @@ class _Layout:
     tensor's row sums go in one buffer, its column weights, and what each row adds before the finish
     (its key's multiplier and its index's)."""
 
-    def __init__(self, tensors: list[torch.Tensor], keys: list[tuple[str, int]]) -> None:
+    def __init__(self, shapes: list[tuple[int, int]], keys: list[tuple[str, int]]) -> None:
         self.parts: list[tuple[int, int, np.ndarray]] = []  # (start, end, column weights) per tensor
         adds, at = [], 0
-        for local, (key, first) in zip(tensors, keys):
-            rows, width = _words(local).shape
+        for (rows, width), (key, first) in zip(shapes, keys):
             self.parts.append((at, at + rows, _column_weights(width).numpy()))
             adds.append(np.int64(_odd(key)) + _row_index(rows, first) * np.int64(_odd("row")))
             at += rows
         self.adds = np.concatenate(adds) if adds else np.zeros(0, dtype=np.int64)
 
-    def digest(self, tensors: list[torch.Tensor]) -> int:
+    def digest(self, words: list[np.ndarray | torch.Tensor]) -> int:
+        """The digest of tensors with these keys, from their words (:func:`_words`; numpy on the CPU)."""
         sums = np.empty_like(self.adds)
-        for local, (start, end, weights) in zip(tensors, self.parts):
-            words = _words(local)
-            if words.device.type != "cpu":  # on an accelerator: only the sums move
-                sums[start:end] = (words * torch.from_numpy(weights).to(words.device)).sum(dim=1).cpu().numpy()
-            elif words.numel() > 4096:  # numpy's einsum beats its matmul on integers, except for small ones
-                np.einsum("ij,j->i", words.numpy(), weights, out=sums[start:end])
+        for w, (start, end, weights) in zip(words, self.parts):
+            if isinstance(w, torch.Tensor):  # on an accelerator: only the sums move
+                sums[start:end] = (w * torch.from_numpy(weights).to(w.device)).sum(dim=1).cpu().numpy()
+            elif w.size > 4096:  # numpy's einsum beats its matmul on integers, except for small ones
+                np.einsum("ij,j->i", w, weights, out=sums[start:end])
             else:
-                np.matmul(words.numpy(), weights, out=sums[start:end])
+                np.matmul(w, weights, out=sums[start:end])
         sums += self.adds
         return int(_finish(sums, None).sum(dtype=np.uint64)) if len(sums) else 0
 
@@ -202,4 +238,4 @@ def combine_digests(digests: list[str | None]) -> str | None:
     return f"{sum(int(d[2:], 16) for d in parts) % (1 << 64):016x}"
 
 
-__all__ = ["combine_digests", "mixed_rows", "mixed_rows_of", "weights_digest"]
+__all__ = ["WeightsDigester", "combine_digests", "mixed_rows", "mixed_rows_of", "weights_digest"]

@@ -39,7 +39,7 @@ from flowrl.data import DataProto
 from flowrl.data.dispatch import ROW_INDEX, task_rows
 from flowrl.data.metrics import measured
 from flowrl.graph import Graph
-from flowrl.runtime.digest import combine_digests, mixed_rows, mixed_rows_of, weights_digest
+from flowrl.runtime.digest import WeightsDigester, combine_digests, mixed_rows, mixed_rows_of, weights_digest
 from flowrl.runtime.invariants import Invariants
 from flowrl.runtime.rundiff import FILE, FORMAT, ROW_HEX, SOURCE, format_of, row_digests
 from flowrl.runtime.sinks import read_metrics
@@ -67,16 +67,14 @@ def _key(t: torch.Tensor) -> str:
 def _row_digests(value: Any) -> str:
     """One digest per row, :data:`ROW_HEX` hex characters each, as one string (cheaper to send and write
     than a list): of a tensor row's exact bits (:func:`~flowrl.runtime.digest.mixed_rows`, its low 48 bits),
-    of an object's ``repr`` (each distinct object once: rows repeated per sample share theirs, found by
-    identity in one sort rather than a loop over the rows)."""
+    of an object's ``repr`` (each distinct object once, each distinct text once: rows repeated per sample
+    share theirs)."""
     if isinstance(value, torch.Tensor):
         return _hex(mixed_rows(value.detach(), None, _key(value)))[0]
-    if not len(value):
-        return ""
-    ids = np.fromiter(map(id, value), dtype=np.int64, count=len(value))
-    _, first, where = np.unique(ids, return_index=True, return_inverse=True)
-    hexes = [hashlib.blake2b(repr(value[i]).encode(), digest_size=ROW_HEX // 2).hexdigest() for i in first]
-    return np.array(hexes, dtype=f"S{ROW_HEX}")[where].tobytes().decode()
+    objects = {id(v): v for v in value}
+    texts = {k: repr(v) for k, v in objects.items()}
+    hexes = {t: hashlib.blake2b(t.encode(), digest_size=ROW_HEX // 2).hexdigest() for t in set(texts.values())}
+    return "".join(map(hexes.__getitem__, map(texts.__getitem__, map(id, value))))
 
 
 def _stats(t: torch.Tensor, mask: torch.Tensor | None) -> dict[str, Any]:
@@ -130,12 +128,13 @@ def fields_print(columns: Iterable[tuple[str, Any]], mask: torch.Tensor | None =
     return out
 
 
-def role_weights(role_obj: Any) -> str | None:
+def role_weights(role_obj: Any, digest: Callable[[Any], str | None] = weights_digest) -> str | None:
     """The digest of a role's weights, when the role can say (``weights_for_digest``: this rank's
     tensors, no collective). A rollout engine's own copy (vLLM, sglang) is not digested: the
-    actor checks it against the model after every push."""
+    actor checks it against the model after every push. ``digest``: :func:`weights_digest` or a
+    :class:`~flowrl.runtime.digest.WeightsDigester` kept for the role."""
     fn = getattr(role_obj, "weights_for_digest", None)
-    return weights_digest(fn()) if fn is not None else None
+    return digest(fn()) if fn is not None else None
 
 
 def source_prints(batch: DataProto, names: Iterable[str]) -> dict[str, Any]:
@@ -160,19 +159,22 @@ def source_readers(graph: Graph) -> dict[str, tuple[str, ...]]:
 
 class WeightDigests:
     """A worker's digest of each role's weights, computed once per weight version (an update or a
-    load moves the version; a load or a restore forgets the digest)."""
+    load moves the version; a load or a restore forgets the digest) by a digester kept per role."""
 
     def __init__(self) -> None:
         self._of: dict[str, tuple[int, str | None]] = {}  # owner → (version, digest)
+        self._digesters: dict[str, WeightsDigester] = {}
 
     def of(self, owner: str, version: int, role_obj: Any) -> str | None:
         cached = self._of.get(owner)
         if cached is None or cached[0] != version:
-            cached = self._of[owner] = (version, role_weights(role_obj))
+            digester = self._digesters.setdefault(owner, WeightsDigester())
+            cached = self._of[owner] = (version, role_weights(role_obj, digester))
         return cached[1]
 
     def forget(self, owner: str | None = None) -> None:
-        self._of.pop(owner, None) if owner is not None else self._of.clear()
+        for held in (self._of, self._digesters):
+            held.pop(owner, None) if owner is not None else held.clear()
 
 
 def task_prints(out: DataProto, batch: DataProto, source: dict[str, Any], role: str | None = None,
