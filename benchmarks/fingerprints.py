@@ -77,9 +77,13 @@ def main() -> None:
     steps, runs, overrides = (3, 1, SMALL) if args.smoke else (args.steps, args.runs, {})
     instrument()
     times: dict[bool, list[float]] = {True: [], False: []}
+    pairs = []  # each run's with / without ratio of median steps
     for run in range(runs):  # off-on, then on-off: neither variant always runs second (warmer)
+        medians = {}
         for on in ((False, True) if run % 2 == 0 else (True, False)):
-            times[on] += step_times(on, steps, overrides)
+            medians[on] = step_times(on, steps, overrides)
+            times[on] += medians[on]
+        pairs.append(statistics.median(medians[True]) / statistics.median(medians[False]))
     off, on = statistics.median(times[False]), statistics.median(times[True])
     per_step = SPENT[0] / (runs * steps)
     size = "small batch (smoke)" if args.smoke else "default sizes"
@@ -88,7 +92,9 @@ def main() -> None:
                 [["without fingerprints", str(len(times[False])), f"{off:.3f}", "1.000"],
                  ["with fingerprints", str(len(times[True])), f"{on:.3f}", f"{on / off:.3f}"]],
                 ["ratio: with / without (target <= 1.02); runs alternate (off-on, on-off, ...), so load on the machine "
-                  "hits both",
+                 "hits both",
+                 f"each run's ratio: {' '.join(f'{r:.3f}' for r in pairs)} (median {statistics.median(pairs):.3f}; "
+                 f"their spread is the machine's noise)",
                  f"fingerprint work, timed: {per_step * 1000:.1f} ms CPU per step = {per_step / on:.2%} of the "
                  f"median step with them"])
 
