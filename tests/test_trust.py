@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -252,11 +253,26 @@ CATALOGUE = [
 ]
 
 
+@pytest.fixture(scope="module")
+def catalogue_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """The selected cases' CLI runs, three at a time (each is mostly a fresh interpreter's imports):
+    case → (its directory, a future of its completed process)."""
+    selected = [item.callspec.params["make"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_bad_input_gets_a_message_not_a_traceback"]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        runs = {}
+        for make in selected:
+            where = tmp_path_factory.mktemp(make.__name__)
+            made = make(where)
+            args, env = made if isinstance(made, tuple) else (made, {})
+            runs[make] = (where, pool.submit(cli, *args, **env))
+        yield runs
+
+
 @pytest.mark.parametrize("make,code,fragments", CATALOGUE, ids=[c[0].__name__[5:] for c in CATALOGUE])
-def test_bad_input_gets_a_message_not_a_traceback(tmp_path, make, code, fragments):
-    made = make(tmp_path)
-    args, env = made if isinstance(made, tuple) else (made, {})
-    res = cli(*args, **env)
+def test_bad_input_gets_a_message_not_a_traceback(catalogue_runs, make, code, fragments):
+    tmp_path, run = catalogue_runs[make]
+    res = run.result()
     both = flat(res.stdout + res.stderr)
     assert res.returncode == code, both
     for fragment in fragments:
