@@ -174,7 +174,7 @@ class WeightsDigester:
         key = tuple((name, t.data_ptr(), t.dtype, t.shape, t.stride()) for name, t in pairs)
         if key != self._key:
             words = [_words(t.detach()).numpy() for _, t in pairs]
-            self._layout = _layout(words, [(f"{name}|{t.dtype}|{tuple(t.shape)}", 0) for name, t in pairs])
+            self._layout = _layout(words, [(_local_rows(name, t)[2], 0) for name, t in pairs])
             self._words = [w if w.size and w.ctypes.data == t.data_ptr() else None for w, (_, t) in zip(words, pairs)]
             self._key = key
         words = [w if w is not None else _words(t.detach()).numpy() for w, (_, t) in zip(self._words, pairs)]
