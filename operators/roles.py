@@ -144,9 +144,8 @@ class TrainableRole:
 
     def weights_for_digest(self) -> Any:
         """``(name, tensor)`` of this rank's weights (its shards when sharded; no collective): what
-        the runtime's fingerprints digest after an update and before every task. The tensors
-        themselves (``keep_vars``): the same objects step after step, for the digest's reuse of their views."""
-        return self.model.state_dict(keep_vars=True).items()
+        the runtime's fingerprints digest after an update and before every task."""
+        return self.model.state_dict().items()
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full weights (another pool's :meth:`get_weights`); sharded: each rank copies its part."""

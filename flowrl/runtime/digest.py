@@ -70,16 +70,23 @@ def _words(local: torch.Tensor) -> torch.Tensor:
 def _weighted_rows(local: torch.Tensor, key: str) -> np.ndarray:
     """:func:`mixed_rows` before the row index and the finish (int64 per row): the row's words
     (:func:`_words`) weighted and summed with wrapping int64 arithmetic, as a product with the column
-    weights — on the CPU numpy's integer matmul (no temporary, half the products of 32-bit words:
-    format :data:`~flowrl.runtime.rundiff.FORMAT` 2), on an accelerator in torch, so that only the sums
-    move."""
+    weights (:func:`_row_sums`; 64-bit words, half the products of 32-bit ones: format
+    :data:`~flowrl.runtime.rundiff.FORMAT` 2)."""
     words = _words(local)
-    weights = _column_weights(words.shape[1])
-    if words.device.type == "cpu":
-        summed = words.numpy() @ weights.numpy()
-    else:
-        summed = (words * weights.to(words.device)).sum(dim=1).cpu().numpy()
+    summed = np.empty(words.shape[0], dtype=np.int64)
+    _row_sums(_host(words), _column_weights(words.shape[1]).numpy(), summed)
     return summed + np.int64(_odd(key))
+
+
+def _row_sums(words: np.ndarray | torch.Tensor, weights: np.ndarray, out: np.ndarray) -> None:
+    """``out[i] = sum_j words[i, j] * weights[j]`` with wrapping int64 arithmetic: numpy's einsum on the
+    CPU (it beats numpy's integer matmul, except on small ones), torch on an accelerator (only the sums move)."""
+    if isinstance(words, torch.Tensor):
+        out[:] = (words * torch.from_numpy(weights).to(words.device)).sum(dim=1).cpu().numpy()
+    elif words.size > 4096:
+        np.einsum("ij,j->i", words, weights, out=out)
+    else:
+        np.matmul(words, weights, out=out)
 
 
 _BLOCKS: dict[tuple[int, ...], np.ndarray] = {}
@@ -212,12 +219,7 @@ class _Layout:
         """The digest of tensors with these keys, from their words (:func:`_words`; numpy on the CPU)."""
         sums = np.empty_like(self.adds)
         for w, (start, end, weights) in zip(words, self.parts):
-            if isinstance(w, torch.Tensor):  # on an accelerator: only the sums move
-                sums[start:end] = (w * torch.from_numpy(weights).to(w.device)).sum(dim=1).cpu().numpy()
-            elif w.size > 4096:  # numpy's einsum beats its matmul on integers, except for small ones
-                np.einsum("ij,j->i", w, weights, out=sums[start:end])
-            else:
-                np.matmul(w, weights, out=sums[start:end])
+            _row_sums(w, weights, sums[start:end])
         sums += self.adds
         return int(_finish(sums, None).sum(dtype=np.uint64)) if len(sums) else 0
 
