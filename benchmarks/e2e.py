@@ -86,7 +86,7 @@ def measured(stamps: list[float], warmup: int) -> list[float]:
 # ---------------------------------------------------------------- flowrl
 def run_flowrl(graph: str, backend: str, steps: int, warmup: int, prompts: int) -> Run:
     from flowrl.graph import load_graph
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.run.trainer import Trainer
 
     stamps: list[float] = []
     rows: list[dict[str, float]] = []

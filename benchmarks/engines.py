@@ -32,7 +32,7 @@ import torch
 
 from _common import print_table
 from flowrl.graph import load_graph
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 from operators.models import load_model
 from operators.rollout import HFRolloutEngine, SamplingParams
 from operators.rollout.base import prompt_seeds

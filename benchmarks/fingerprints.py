@@ -2,7 +2,7 @@
 
 Every node output of every step is digested row by row where it is produced,
 with a few statistics, and every role's weights are digested before each task
-that uses them and after each update (:mod:`flowrl.runtime.fingerprints`). This
+that uses them and after each update (:mod:`flowrl.provenance.fingerprints`). This
 runs the default job (``grpo``, local backend) with ``trainer.fingerprints`` on
 and off, alternating runs so that a busy machine slows both alike, and prints
 the median step time of each and their ratio (the target: at most 1.02). The order
@@ -28,11 +28,11 @@ from typing import Any, Callable
 import _common  # noqa: F401  (repository on sys.path, one torch thread)
 from _common import print_table
 
-import flowrl.runtime.fingerprints as fingerprints
+import flowrl.provenance.fingerprints as fingerprints
 import flowrl.runtime.worker as worker
 from flowrl.graph import load_graph
-from flowrl.runtime.fingerprints import FingerprintLog
-from flowrl.runtime.trainer import Trainer
+from flowrl.provenance.fingerprints import FingerprintLog
+from flowrl.run.trainer import Trainer
 
 SMALL = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
 

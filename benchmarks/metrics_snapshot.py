@@ -26,7 +26,7 @@ import _common  # noqa: F401  (repository on sys.path, one torch thread)
 
 from flowrl.data.metrics import measured
 from flowrl.graph import builtin_graphs, load_graph
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 
 
 def untimed(row: dict) -> dict:

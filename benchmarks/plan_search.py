@@ -15,7 +15,7 @@ of them — all when there are no more, else spread over the ranking from the
 picked one to the slowest — each for ``--steps`` steps, and the picked, the
 shipped and the fastest measured one once more at the end (``--again``).
 Measured seconds per step: the median interval between the ends of consecutive
-steps after the warm-up steps (:data:`~flowrl.runtime.costs.WARMUP`, the
+steps after the warm-up steps (:data:`~flowrl.plan.costs.WARMUP`, the
 measure the profile calibrates on), over both runs of a configuration measured
 twice. One Ray serves every run; each run starts its own workers.
 
@@ -49,11 +49,11 @@ from rich.console import Console
 from flowrl.cli_plan import fit_runs, profile_command, read_run
 from flowrl.graph import load_graph
 from flowrl.runtime import ray_start
-from flowrl.runtime.costfit import step_intervals
-from flowrl.runtime.costs import COST_FILE, WARMUP, Transfer, load_costs, records_of, save_costs
-from flowrl.runtime.search import Budget, Outcome, describe, search
-from flowrl.runtime.traits import traits_of
-from flowrl.runtime.trainer import Trainer
+from flowrl.plan.costfit import step_intervals
+from flowrl.plan.costs import COST_FILE, WARMUP, Transfer, load_costs, records_of, save_costs
+from flowrl.plan.search import Budget, Outcome, describe, search
+from flowrl.plan.traits import traits_of
+from flowrl.run.trainer import Trainer
 
 QUIET = {"trainer.val_every": 0, "trainer.checkpoint_every": 0}
 #: the graphs whose search space is widest first: they tell the most

@@ -55,7 +55,7 @@ from benchmarks._common import SharedBackend, cpu_note, init_ray, median, one_st
 import benchmarks.ops as bench_ops
 from flowrl.data import DataProto
 from flowrl.graph import GraphBuilder
-from flowrl.runtime.plan import DRIVER, Plan, bounds_of, make_plan
+from flowrl.plan.planner import DRIVER, Plan, bounds_of, make_plan
 from flowrl.runtime.scheduler import Runtime
 
 BATCH = 16  # prompts per step; 4 micro-batches of 4

@@ -29,7 +29,7 @@ import _common  # noqa: F401  (repository on sys.path, one torch thread)
 
 from flowrl.graph import load_graph
 from flowrl.cli import parse_overrides
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 
 #: how many final steps the reward figure averages (the README's "steps 276-300")
 TAIL = 25

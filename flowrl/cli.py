@@ -184,8 +184,8 @@ def plan(
 
 def _plan(g, backend: str, label: str = ""):
     """The plan the run on ``backend`` would make (what ``run`` calls too), or exit 1 naming why not."""
-    from flowrl.runtime.plan import PlanError, make_plan
-    from flowrl.runtime.traits import traits_of
+    from flowrl.plan.planner import PlanError, make_plan
+    from flowrl.plan.traits import traits_of
 
     try:
         traits = traits_of(backend)
@@ -207,7 +207,7 @@ def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
     if not path.is_file():
         err_console.print(f"[bold red]error[/] --measured: no metrics at {_escape(str(path))}")
         raise typer.Exit(1)
-    from flowrl.runtime.sinks import MetricsFileError, read_metrics
+    from flowrl.store.sinks import MetricsFileError, read_metrics
 
     def warn(msg: str) -> None:
         err_console.print(f"[yellow]warning[/] {_escape(msg)}")
@@ -271,8 +271,8 @@ def run(
     prestart(backend, address)  # Ray starts on a thread: its seconds overlap loading the graph
     g = _load_checked(graph, set_)  # before the runtime's imports: a wrong graph is said at once
     from flowrl.runtime.backends import BACKENDS
-    from flowrl.runtime.errors import RuntimeFailure
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.errors import RuntimeFailure
+    from flowrl.run.trainer import Trainer
     from visualizer.live import LiveView
 
     if backend not in BACKENDS:
@@ -313,7 +313,7 @@ def export(
     role: str = typer.Option("actor", "--role", help="which role's weights to export"),
 ) -> None:
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint."""
-    from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore
+    from flowrl.store.checkpoint import CheckpointError, CheckpointStore
     from operators.models.export import ExportError, export_hf, role_head
 
     try:

@@ -17,8 +17,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from flowrl.runtime.errors import RuntimeFailure
-from flowrl.runtime.rundiff import FingerprintFileError, diff_runs
+from flowrl.errors import RuntimeFailure
+from flowrl.provenance.rundiff import FingerprintFileError, diff_runs
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def replay(
     again with the overrides, and compare the metrics with those the run logged. Writes nothing to RUN;
     exit 2 when the records or checkpoints do not cover the request."""
     # the runtime (torch, the workers) only when a replay runs: `flowrl --help` stays light
-    from flowrl.runtime.replay import replay_step
+    from flowrl.run.replay import replay_step
     from visualizer.replay import render_replay
 
     overrides = parse_overrides(set_)

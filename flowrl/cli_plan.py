@@ -9,7 +9,7 @@ once more, for the machine's drift) and writes ``costs.json`` into the run direc
 RUN_DIR`` fits one from a run that already happened (its ``trace.json`` when
 written with ``--trace``, else the ``timing/<node>`` of its ``metrics.jsonl``).
 ``flowrl plan GRAPH --search --costs FILE --cpus N`` ranks the configurations
-:mod:`flowrl.runtime.search` finds and ``--write`` saves the best as a graph file.
+:mod:`flowrl.plan.search` finds and ``--write`` saves the best as a graph file.
 
 The ``flowrl`` command (:mod:`flowrl.cli`) imports this module only when one of
 these runs: profiling imports the models (to read their configs) and Ray.
@@ -33,16 +33,16 @@ from rich.markup import escape
 from rich.table import Table
 
 from flowrl.graph import Graph, GraphError, load_graph
-from flowrl.runtime.costfit import (calibrate_overheads, cores_for, fit_line, median_or_zero, metric_samples,
+from flowrl.plan.costfit import (calibrate_overheads, cores_for, fit_line, median_or_zero, metric_samples,
                                     node_samples, residuals, step_intervals, world_factors)
-from flowrl.runtime.costs import (COST_FILE, GIB, WARMUP, CostFile, CostFileError, NodeCost, Record, RoleMemory,
+from flowrl.plan.costs import (COST_FILE, GIB, WARMUP, CostFile, CostFileError, NodeCost, Record, RoleMemory,
                                   Transfer, graph_key, load_costs, records_of, save_costs, task_records)
-from flowrl.runtime.errors import RuntimeFailure
-from flowrl.runtime.plan import Plan, PlanError, make_plan
-from flowrl.runtime.search import ASSUMPTIONS, MICRO_BATCHES, Budget, SearchError, SearchResult, describe, search, why
-from flowrl.runtime.sinks import MetricsFileError, read_metrics
-from flowrl.runtime.trainer import Trainer
-from flowrl.runtime.traits import traits_of
+from flowrl.errors import ConfigError, RuntimeFailure
+from flowrl.plan.planner import Plan, PlanError, make_plan
+from flowrl.plan.search import ASSUMPTIONS, MICRO_BATCHES, Budget, SearchError, SearchResult, describe, search, why
+from flowrl.store.sinks import MetricsFileError, read_metrics
+from flowrl.run.trainer import Trainer
+from flowrl.plan.traits import traits_of
 from operators.models import load_model
 
 #: bytes a training pass keeps per token per layer per hidden unit (fp32 activations saved for backward:
@@ -50,7 +50,7 @@ from operators.models import load_model
 ACTIVATION_FACTOR = 16
 
 
-class CommandError(Exception):
+class CommandError(ConfigError):
     """What the command prints as one error line before exiting 1."""
 
 
@@ -108,7 +108,7 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
     machine of ``cpus`` cores (default: this one's). The runs with the first run's worker counts fit
     each node's line on the seconds its tasks would have taken with a core each; the runs on other worker
     counts (pooled where they have the same ones) give each node's factor against its line there, and its
-    line there from two row counts (:func:`~flowrl.runtime.costfit.world_factors`); then the per-task
+    line there from two row counts (:func:`~flowrl.plan.costfit.world_factors`); then the per-task
     latency and per-step overhead the runs' step intervals hold beyond their tasks.
 
     ``drift``: the last run repeats the first, so how much slower (or faster) the machine got while

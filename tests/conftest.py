@@ -41,8 +41,8 @@ def two_worker_grpo_run(ray_session, tmp_path_factory):
     """The default GRPO job on a 2-worker train pool (``tests.shared_runs.TWO``), ``STEPS`` steps on Ray,
     uninterrupted: its run directory and metrics rows. Tests read it, or resume a copy (``copy_run``)."""
     from flowrl.graph import load_graph
-    from flowrl.runtime.faults import FAULT_ENV
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.recovery.faults import FAULT_ENV
+    from flowrl.run.trainer import Trainer
     from tests.shared_runs import STEPS, TWO
 
     out = tmp_path_factory.mktemp("two_worker_grpo") / "run"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from flowrl.runtime.checkpoint import CheckpointStore, steps_done
+from flowrl.store.checkpoint import CheckpointStore, steps_done
 
 #: the default GRPO job on a train pool of two workers, small enough for a test
 TWO = {"pools.train.workers": 2, "data.batch_size": 4, "nodes.generate.n": 4, "nodes.generate.max_new_tokens": 4,

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from flowrl.graph import load_graph
-from flowrl.runtime import checkpoint
-from flowrl.runtime.checkpoint import FORMAT, CheckpointError, CheckpointStore
-from flowrl.runtime.trainer import Trainer
+from flowrl.store import checkpoint
+from flowrl.store.checkpoint import FORMAT, CheckpointError, CheckpointStore
+from flowrl.run.trainer import Trainer
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4,
         "trainer.checkpoint_every": 2, "trainer.val_every": 0}
@@ -124,7 +124,7 @@ def test_export_generates_with_transformers_from_a_plain_prompt_as_flowrl_does(t
     from typer.testing import CliRunner
 
     from flowrl.cli import app
-    from flowrl.runtime.checkpoint_state import load_states
+    from flowrl.store.checkpoint_state import load_states
     from flowrl.runtime.distributed import PoolGroup
     from flowrl.runtime.worker import RoleContext
     from operators.roles import Actor, ActorConfig

@@ -230,7 +230,7 @@ def test_export_of_the_critic_writes_a_value_model(tmp_path):
     back to the checkpoint's weights (it used to fail on a causal LM, its message cut at the header)."""
     import torch
 
-    from flowrl.runtime.checkpoint import CheckpointStore
+    from flowrl.store.checkpoint import CheckpointStore
     from operators.models import load_model
 
     res = invoke("run", "ppo", "--steps", "1", "--backend", "local", "--out", str(tmp_path / "run"),

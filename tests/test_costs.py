@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 from flowrl.cli import app
 from flowrl.cli_plan import farthest_micro_batches, fit_runs, role_memory
 from flowrl.graph import load_graph
-from flowrl.runtime.costfit import calibrate_overheads, fit_line, predict_step, solo_seconds
-from flowrl.runtime.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, graph_key,
+from flowrl.plan.costfit import calibrate_overheads, fit_line, predict_step, solo_seconds
+from flowrl.plan.costs import (CostFile, CostFileError, NodeCost, Record, RoleMemory, Transfer, graph_key,
                                   load_costs, rank_rows, save_costs, task_records, task_seconds)
-from flowrl.runtime.plan import make_plan
-from flowrl.runtime.plancheck import PlanCheck
+from flowrl.plan.planner import make_plan
+from flowrl.plan.plancheck import PlanCheck
 
 #: the synthetic truth: seconds of one task on one rank = fixed + per_row × rows
 TRUTH = {"generate": (0.05, 0.002), "reward": (0.01, 0.0001), "advantage": (0.002, 0.00002),

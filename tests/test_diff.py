@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 from flowrl.cli import app, parse_overrides
 from flowrl.graph import load_graph
-from flowrl.runtime.rundiff import FingerprintFileError, diff_runs
-from flowrl.runtime.trainer import Trainer
+from flowrl.provenance.rundiff import FingerprintFileError, diff_runs
+from flowrl.run.trainer import Trainer
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
 

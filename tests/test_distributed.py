@@ -19,8 +19,8 @@ from flowrl.data import DataProto
 from flowrl.data.balance import balance_ranks
 from flowrl.data.dispatch import TASK_ROWS
 from flowrl.data.metrics import total
-from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore
-from flowrl.runtime.checkpoint_state import load_states, save_states
+from flowrl.store.checkpoint import CheckpointError, CheckpointStore
+from flowrl.store.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import CollectiveError, PoolGroup, backend_for, listen
 from flowrl.runtime.worker import RoleContext
 from operators.models import OptimConfig, load_model, response_log_probs, response_values

@@ -65,7 +65,7 @@ def pools(out: str) -> None:
     import ray
 
     from flowrl.graph import load_graph
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.run.trainer import Trainer
 
     cluster = start_cluster()
     placed: dict[str, str] = {}

@@ -18,7 +18,7 @@ import torch
 from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import RowKeys, get_mode, task_rows
 from flowrl.graph import REGISTRY, load_graph
-from flowrl.runtime.errors import RuntimeFailure
+from flowrl.errors import RuntimeFailure
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.worker import Call, RoleContext
 from operators.logprob import SEQUENCE_IN

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from flowrl.data import DataProto
 from flowrl.graph import load_graph
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 from operators import advantage, logprob, reward
 from operators.algos import grpo_advantages, masked_whiten
 from tests.test_reward_fns import reward_batch

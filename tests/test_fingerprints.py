@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from flowrl.graph import load_graph
-from flowrl.runtime.digest import combine_digests, weights_digest
-from flowrl.runtime.fingerprints import field_print, step_record
-from flowrl.runtime.rundiff import FORMAT, FingerprintFileError, read_prints, row_digests
+from flowrl.provenance.digest import combine_digests, weights_digest
+from flowrl.provenance.fingerprints import field_print, step_record
+from flowrl.provenance.rundiff import FORMAT, FingerprintFileError, read_prints, row_digests
 from flowrl.runtime.scheduler import Runtime
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 from tests.test_runtime import BIG, batches, graph_from
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
@@ -153,7 +153,7 @@ def test_the_digest_of_weights_sharded_by_rows_is_the_whole_weights_digest():
 
 
 def test_a_task_s_fields_digested_together_equal_each_digested_alone():
-    from flowrl.runtime.fingerprints import _row_digests, fields_print
+    from flowrl.provenance.fingerprints import _row_digests, fields_print
 
     g = torch.Generator().manual_seed(0)
     cols = [("f32", torch.randn(6, 3, generator=g)), ("ids", torch.randint(0, 100, (6, 8), generator=g)),
@@ -185,8 +185,8 @@ def _golden_weights():
 def test_digest_format_2_is_pinned():
     """Digests written by earlier commits stay comparable: a change to how digests are computed that
     changes their values must come with a new FORMAT (flowrl diff refuses to compare across formats)."""
-    from flowrl.runtime.digest import mixed_rows_of
-    from flowrl.runtime.fingerprints import fields_print
+    from flowrl.provenance.digest import mixed_rows_of
+    from flowrl.provenance.fingerprints import fields_print
 
     w = _golden_weights()
     assert FORMAT == 2 and weights_digest(w.items()) == "777473c185398263"
@@ -205,7 +205,7 @@ def test_an_object_column_digests_each_row_s_repr():
 
     import numpy as np
 
-    from flowrl.runtime.rundiff import ROW_HEX
+    from flowrl.provenance.rundiff import ROW_HEX
 
     shared, a, b = {"index": 1}, "x", "x" * 2  # repeated rows share one object; equal values in distinct ones
     column = np.array([shared, a, shared, b, "x", 3, None, shared], dtype=object)
@@ -216,7 +216,7 @@ def test_an_object_column_digests_each_row_s_repr():
 
 
 def test_each_data_source_field_is_printed_by_its_first_reader_only(tmp_path):
-    from flowrl.runtime.fingerprints import source_readers
+    from flowrl.provenance.fingerprints import source_readers
 
     g = graph_from("ppo.yaml", tmp_path)
     readers = source_readers(g)
@@ -231,7 +231,7 @@ def test_each_data_source_field_is_printed_by_its_first_reader_only(tmp_path):
 
 
 def test_a_digester_kept_across_updates_equals_a_fresh_digest_every_time():
-    from flowrl.runtime.digest import WeightsDigester
+    from flowrl.provenance.digest import WeightsDigester
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 3))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)

@@ -12,7 +12,7 @@ import torch
 
 from flowrl.data import DataProto
 from flowrl.graph import builtin_graphs, load_graph
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 from operators.models.optim import OptimConfig, lr_multiplier
 
 GRAPHS = ["grpo", "grpo_async", "ppo", "rloo", "reinforce_pp", "remax", "grpo_skewed"]

@@ -10,8 +10,8 @@ import pytest
 
 import tests.graph_ops as ops
 from flowrl.graph.config import ScheduleConfig
-from flowrl.runtime import faults
-from flowrl.runtime.errors import NodeTimeoutError
+from flowrl.recovery import faults
+from flowrl.errors import NodeTimeoutError
 from flowrl.runtime.scheduler import Runtime
 from tests.test_runtime import BIG, batches, graph_from
 
@@ -78,8 +78,8 @@ def test_every_node_has_a_generous_default_timeout_that_can_be_changed_or_lifted
 def test_a_weight_sync_past_the_default_timeout_is_named_with_the_stack(tmp_path):
     import time
 
-    from flowrl.runtime.plan import make_plan
-    from flowrl.runtime.watchdog import check_timeouts
+    from flowrl.plan.planner import make_plan
+    from flowrl.recovery.watchdog import check_timeouts
 
     g = graph_from("ppo.yaml", tmp_path, schedule={"timeout_s": 0.5})
     plan = make_plan(g)
@@ -99,7 +99,7 @@ def test_a_weight_sync_past_the_default_timeout_is_named_with_the_stack(tmp_path
 def test_a_checkpoint_state_that_never_comes_is_named():
     import concurrent.futures as cf
 
-    from flowrl.runtime.watchdog import get_within
+    from flowrl.recovery.watchdog import get_within
 
     with pytest.raises(NodeTimeoutError) as exc:
         get_within(lambda h, timeout: h.result(timeout=timeout), cf.Future(), 0.05, "the state of gen[0]")
@@ -108,7 +108,7 @@ def test_a_checkpoint_state_that_never_comes_is_named():
 
 def test_a_rank_that_never_reaches_the_collective_is_named_and_the_node_marked_stuck(ray_session, monkeypatch):
     from flowrl.graph import load_graph
-    from flowrl.runtime.watchdog import TaskTimeout
+    from flowrl.recovery.watchdog import TaskTimeout
     from tests.shared_runs import TWO
     from visualizer.live import LiveView
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from flowrl.graph import load_graph, operator
-from flowrl.runtime.errors import NodeError
-from flowrl.runtime.invariants import InvariantError
-from flowrl.runtime.rundiff import read_prints
-from flowrl.runtime.trainer import Trainer
+from flowrl.errors import NodeError
+from flowrl.provenance.invariants import InvariantError
+from flowrl.provenance.rundiff import read_prints
+from flowrl.run.trainer import Trainer
 from operators.roles import TrainableRole
 from rich.console import Console
 from visualizer.live import LiveView

@@ -59,7 +59,7 @@ def test_terminal_view_shows_states_durations_and_metrics():
 
 
 def test_live_view_shows_where_light_nodes_really_run():
-    from flowrl.runtime.plan import make_plan
+    from flowrl.plan.planner import make_plan
 
     g = load_graph("grpo")
     view = LiveView(g, total_steps=3, console=Console(file=io.StringIO(), force_terminal=True, width=120))

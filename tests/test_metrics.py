@@ -9,7 +9,7 @@ import pytest
 
 from flowrl.data.metrics import Metric, Reduction, maximum, mean, minimum, reduce_metrics, total
 from flowrl.graph import load_graph
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 
 
 def test_each_metric_reduces_by_its_declared_kind():

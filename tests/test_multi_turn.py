@@ -369,7 +369,7 @@ def test_grpo_tools_runs_through_the_trainer(tmp_path, monkeypatch):
     """Two steps of the tool graph: the multi-turn metrics and an interior-zero mask reach the trainer."""
     import operators.models.tiny_tools as tiny_tools
     from flowrl.graph import load_graph
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.run.trainer import Trainer
 
     monkeypatch.setattr(tiny_tools, "WARMUP_STEPS", 2)   # the format warm-up's length does not matter here
     monkeypatch.setenv("FLOWRL_CACHE_DIR", str(tmp_path / "cache"))
@@ -468,7 +468,7 @@ def test_a_verl_multiturn_parquet_trains_through_the_graph_with_a_user_tool(tmp_
 
     import operators.models.tiny_tools as tiny_tools
     from flowrl.graph import load_graph
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.run.trainer import Trainer
 
     monkeypatch.setattr(tiny_tools, "WARMUP_STEPS", 2)
     monkeypatch.setenv("FLOWRL_CACHE_DIR", str(tmp_path / "cache"))

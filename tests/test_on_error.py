@@ -11,8 +11,8 @@ from flowrl.data.dispatch import DROPPED
 from flowrl.graph import load_graph
 from flowrl.graph.config import OnErrorConfig
 from flowrl.graph.registry import REGISTRY
-from flowrl.runtime.errors import NodeError
-from flowrl.runtime.faults import FAULT_ENV, FaultSpecError, parse_fault, run_guarded
+from flowrl.errors import NodeError
+from flowrl.recovery.faults import FAULT_ENV, FaultSpecError, parse_fault, run_guarded
 from flowrl.runtime.scheduler import Runtime
 
 BIG = {"CPU": 64.0, "GPU": 0.0}
@@ -186,7 +186,7 @@ def test_refill_replaces_the_failed_prompts_with_fresh_ones_and_keeps_every_grou
 
 
 def test_refill_draws_the_same_prompts_on_resume(tmp_path):
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.run.trainer import Trainer
 
     def train(out, steps, resume=False):
         g = load_graph("grpo", overrides={**SMALL, **REFILL, "trainer.checkpoint_every": 2})

@@ -50,7 +50,7 @@ def test_adaptive_kl_beta_is_one_value_updated_from_the_whole_batch(tmp_path):
 
 
 def test_operator_state_is_saved_with_the_checkpoint(tmp_path):
-    from flowrl.runtime.checkpoint import CheckpointStore
+    from flowrl.store.checkpoint import CheckpointStore
 
     store = CheckpointStore(tmp_path)
     store.save(4, {"workers": {}, "weights": {}, "source": None, "operator_state": {"kl_reward": {"kl_coef": 0.25}}},

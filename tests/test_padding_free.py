@@ -258,7 +258,7 @@ def test_micro_batched_rollouts_of_different_widths_feed_one_update(tmp_path):
     """With ``micro_batches: 2`` each half is generated apart, as wide as its own longest
     response; the group-scoped advantage and the update read both halves joined."""
     from flowrl.graph import load_graph
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.run.trainer import Trainer
 
     g = load_graph("grpo_skewed", overrides={
         "data.batch_size": 4, "nodes.generate.n": 4, "nodes.generate.max_new_tokens": 40,

@@ -7,9 +7,9 @@ import torch
 
 from flowrl.graph import load_graph, operator
 from flowrl.data.dispatch import RowKeys
-from flowrl.runtime.plan import PlanError, make_plan
-from flowrl.runtime.staleness import Gate
-from flowrl.runtime.traits import LOCAL, RAY
+from flowrl.plan.planner import PlanError, make_plan
+from flowrl.plan.staleness import Gate
+from flowrl.plan.traits import LOCAL, RAY
 
 SEQUENCE = {"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]"}
 

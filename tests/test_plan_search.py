@@ -10,10 +10,10 @@ from typer.testing import CliRunner
 
 from flowrl.cli import app
 from flowrl.graph import load_graph
-from flowrl.runtime.costs import GIB, CostFile, NodeCost, RoleMemory, Transfer, graph_key, save_costs
-from flowrl.runtime.plan import make_plan
-from flowrl.runtime.search import Budget, SearchError, candidates, describe, search, set_partitions
-from flowrl.runtime.simulate import simulate_steps
+from flowrl.plan.costs import GIB, CostFile, NodeCost, RoleMemory, Transfer, graph_key, save_costs
+from flowrl.plan.planner import make_plan
+from flowrl.plan.search import Budget, SearchError, candidates, describe, search, set_partitions
+from flowrl.plan.simulate import simulate_steps
 
 ROWS = 256  # grpo_async: 32 prompts × 8 samples
 

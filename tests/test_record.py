@@ -8,7 +8,7 @@ import torch
 
 from flowrl.data import DataProto
 from flowrl.graph import load_graph
-from flowrl.runtime.record import Recorder, RecordError, read_record, recorded_steps, step_dir
+from flowrl.provenance.record import Recorder, RecordError, read_record, recorded_steps, step_dir
 
 
 def _graph(**record):

@@ -10,10 +10,10 @@ from typer.testing import CliRunner
 
 from flowrl.cli import app
 from flowrl.graph import load_graph
-from flowrl.runtime.checkpoint import CheckpointStore
-from flowrl.runtime.record import recorded_steps
-from flowrl.runtime.replay import replay_step
-from flowrl.runtime.trainer import Trainer
+from flowrl.store.checkpoint import CheckpointStore
+from flowrl.provenance.record import recorded_steps
+from flowrl.run.replay import replay_step
+from flowrl.run.trainer import Trainer
 
 STD = {"nodes.advantage.norm_adv_by_std_in_grpo": False}
 

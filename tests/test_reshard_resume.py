@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from flowrl.graph import load_graph
-from flowrl.runtime.checkpoint import CheckpointStore
-from flowrl.runtime.checkpoint_state import read_full
+from flowrl.store.checkpoint import CheckpointStore
+from flowrl.store.checkpoint_state import read_full
 from flowrl.runtime.scheduler import Runtime
-from flowrl.runtime.sinks import read_metrics
-from flowrl.runtime.trainer import Trainer
+from flowrl.store.sinks import read_metrics
+from flowrl.run.trainer import Trainer
 from flowrl.runtime.worker import RoleContext
 from operators.roles import Actor, ActorConfig
 from tests.shared_runs import STEPS, TWO, copy_run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowrl.graph import load_graph
-from flowrl.runtime.faults import FAULT_ENV
+from flowrl.recovery.faults import FAULT_ENV
 from flowrl.runtime.scheduler import Runtime
 from tests.test_on_error import BIG, prompts
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from flowrl.graph import load_graph
-from flowrl.runtime.checkpoint import CheckpointError, CheckpointStore
-from flowrl.runtime.trainer import Trainer
+from flowrl.store.checkpoint import CheckpointError, CheckpointStore
+from flowrl.run.trainer import Trainer
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4,
         "trainer.checkpoint_every": 3}
@@ -102,7 +102,7 @@ def test_kill_during_save_leaves_the_last_checkpoint_loadable(tmp_path):
     payload, _, _ = store.load_latest(warn=lambda m: None)
     big = {**payload, "weights": {("actor", 0): ({"x": __import__("torch").zeros(64 * 1024 * 1024 // 4)}, 0)}}
     script = (
-        "import sys, torch, pickle; from flowrl.runtime.checkpoint import CheckpointStore; "
+        "import sys, torch, pickle; from flowrl.store.checkpoint import CheckpointStore; "
         "payload = pickle.load(open(sys.argv[1], 'rb')); "
         "CheckpointStore(sys.argv[2]).save(99, payload, {'graph': {}})"
     )

@@ -8,10 +8,10 @@ import pytest
 
 from flowrl.data.metrics import measured
 from flowrl.graph import load_graph
-from flowrl.runtime.errors import RuntimeFailure
-from flowrl.runtime.faults import FAULT_ENV
-from flowrl.runtime.sinks import read_metrics
-from flowrl.runtime.trainer import Trainer
+from flowrl.errors import RuntimeFailure
+from flowrl.recovery.faults import FAULT_ENV
+from flowrl.store.sinks import read_metrics
+from flowrl.run.trainer import Trainer
 
 from tests.shared_runs import STEPS, TWO
 
@@ -78,9 +78,9 @@ def test_the_rollback_names_the_worker_the_cause_and_the_step(runs):
 
 
 def test_a_rollback_before_the_first_checkpoint_fails_naming_the_worker(tmp_path):
-    from flowrl.runtime import rollback
-    from flowrl.runtime.errors import WorkerDiedError
-    from flowrl.runtime.restarts import RollbackNeeded
+    from flowrl.recovery import rollback
+    from flowrl.errors import WorkerDiedError
+    from flowrl.recovery.restarts import RollbackNeeded
 
     g = load_graph("grpo", overrides={**TWO, "pools.train.max_restarts": 1})
     trainer = Trainer(g, backend="local", steps=STEPS, out=tmp_path, say=lambda m: None)

@@ -10,7 +10,7 @@ import torch
 
 from flowrl.data import DataProto
 from flowrl.graph import load_graph
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 from operators.algos import AGG_MODES, POLICY_LOSSES, agg_loss, rollout_correction
 
 T = torch.tensor

@@ -11,8 +11,8 @@ import yaml
 import tests.graph_ops as ops
 from flowrl.data import DataProto
 from flowrl.graph import load_graph
-from flowrl.runtime.errors import NodeError, PlacementError, WorkerDiedError
-from flowrl.runtime.plan import make_plan
+from flowrl.errors import NodeError, PlacementError, WorkerDiedError
+from flowrl.plan.planner import make_plan
 from flowrl.runtime.scheduler import Runtime
 
 HERE = Path(__file__).parent
@@ -225,7 +225,7 @@ def test_declared_order_runs_each_pool_as_written(tmp_path):
 
 
 def test_light_nodes_between_one_pool_run_in_its_process(tmp_path):
-    from flowrl.runtime.plan import place_light_nodes
+    from flowrl.plan.planner import place_light_nodes
 
     # grpo-shaped: generate (train) -> reward -> advantage -> update (train): no trip to the driver
     data = yaml.safe_load((HERE / "data" / "async.yaml").read_text())

@@ -10,9 +10,9 @@ import pytest
 
 from flowrl.graph import load_graph
 from flowrl.runtime import ray_start, startup
-from flowrl.runtime.rundir import RunDirectoryError
+from flowrl.store.rundir import RunDirectoryError
 from flowrl.runtime.startup import Span, describe, process_start
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
 

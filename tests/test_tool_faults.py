@@ -252,7 +252,7 @@ def test_a_verl_contract_tool_runs_in_grpo_tools_as_the_native_tool_does(tmp_pat
         pytest.skip(f"verl is not installed in {TARGET}; .ci/run installs it")
     import operators.models.tiny_tools as tiny_tools
     from flowrl.graph import load_graph
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.run.trainer import Trainer
 
     add_verl_to_path()
     (tmp_path / "verl_add.py").write_text(textwrap.dedent('''

@@ -51,7 +51,7 @@ def test_a_round_waits_for_every_live_conversation_however_late_its_tool_answers
 def test_two_runs_of_grpo_tools_with_one_seed_give_identical_metrics(tmp_path, monkeypatch):
     import operators.models.tiny_tools as tiny_tools
     from flowrl.graph import load_graph
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.run.trainer import Trainer
 
     # a short format warm-up (cached under tmp_path) already writes calls the tool answers
     monkeypatch.setattr(tiny_tools, "WARMUP_STEPS", 40)

@@ -15,8 +15,8 @@ import torch
 
 from flowrl.graph import load_graph, operator
 from flowrl.graph.problems import SchemaError
-from flowrl.runtime.trainer import Trainer
-from flowrl.runtime.validation import validation_graph
+from flowrl.run.trainer import Trainer
+from flowrl.plan.validation import validation_graph
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
 
@@ -78,7 +78,7 @@ def test_greedy_validation_is_deterministic(tmp_path):
 
 
 def test_nan_reward_stops_at_the_node_and_keeps_the_last_good_checkpoint(tmp_path):
-    from flowrl.runtime.errors import NodeError
+    from flowrl.errors import NodeError
 
     bad = load_graph("grpo", overrides={**TINY, "trainer.checkpoint_every": 1,
                                         "nodes.reward": {"op": "tests.userpkg.faults:nan_reward"}})

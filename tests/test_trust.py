@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file, save
 
 from flowrl.graph import load_graph
-from flowrl.runtime.checkpoint import CheckpointStore
-from flowrl.runtime.rundir import LOCK_NAME, RunDirectory, RunDirectoryError
-from flowrl.runtime.trainer import Trainer
+from flowrl.store.checkpoint import CheckpointStore
+from flowrl.store.rundir import LOCK_NAME, RunDirectory, RunDirectoryError
+from flowrl.run.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
@@ -286,7 +286,7 @@ def test_bad_input_gets_a_message_not_a_traceback(catalogue_runs, make, code, fr
 def test_a_second_run_on_a_directory_is_refused_naming_the_holder(tmp_path):
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time; from pathlib import Path; "
-         "from flowrl.runtime.rundir import RunDirectory; "
+         "from flowrl.store.rundir import RunDirectory; "
          "d = RunDirectory(Path(sys.argv[1])); d.lock(); print('held', flush=True); time.sleep(60)",
          str(tmp_path)], env=_env(), stdout=subprocess.PIPE, text=True)
     try:
@@ -518,7 +518,7 @@ def test_a_ray_run_listens_on_loopback_only_and_sigterm_saves_and_exits_143(tmp_
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full to stand in for a full disk")
 def test_a_full_disk_names_the_metrics_file_and_how_to_continue(tmp_path):
-    from flowrl.runtime.sinks import Sinks
+    from flowrl.store.sinks import Sinks
 
     sinks = Sinks(tmp_path)
     sinks.jsonl.close()

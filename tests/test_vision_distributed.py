@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from flowrl.graph import load_graph
-from flowrl.runtime.checkpoint import CheckpointStore
-from flowrl.runtime.trainer import Trainer
+from flowrl.store.checkpoint import CheckpointStore
+from flowrl.run.trainer import Trainer
 from operators.models import load_model
 
 pytest.importorskip("ray")

@@ -10,7 +10,7 @@ import torch
 
 from flowrl.data import DataProto
 from flowrl.graph import load_graph
-from flowrl.runtime.trainer import Trainer
+from flowrl.run.trainer import Trainer
 from operators.data.multimodal import MultimodalPromptDataset, load_processor
 from operators.data.shapes import ShapeRows
 from operators.models import OptimConfig, load_model
@@ -112,7 +112,7 @@ def _train(out: Path, steps: int, resume: bool = False):
 def test_resume_is_exact_and_the_export_generates_flowrls_tokens_on_an_image(tmp_path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    from flowrl.runtime.checkpoint import CheckpointStore
+    from flowrl.store.checkpoint import CheckpointStore
     from operators.models.export import export_hf
     from operators.models.vision import vision_token_ids
 

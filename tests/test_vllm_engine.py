@@ -240,7 +240,7 @@ def test_a_run_on_vllm_trains_and_its_engine_processes_end_with_it(tmp_path):
     import psutil
 
     from flowrl.graph import load_graph
-    from flowrl.runtime.trainer import Trainer
+    from flowrl.run.trainer import Trainer
 
     def engines() -> set[int]:  # vLLM names its processes VLLM::EngineCore, VLLM::Worker
         return {p.pid for p in psutil.Process().children(recursive=True)

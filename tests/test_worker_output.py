@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.runtime.errors import NodeError, user_frame
-from flowrl.runtime.runlog import RUN_LOG, WARNING_TAG, record_failure, warning_notes
+from flowrl.errors import NodeError, user_frame
+from flowrl.store.runlog import RUN_LOG, WARNING_TAG, record_failure, warning_notes
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -52,7 +52,7 @@ _STATE_STYLES: dict[str, Style] = {
     "stuck": Style(color="red", bold=True, reverse=True),  # past its timeout: the hang the run fails with
     "done": Style(color="green"),
     "failed": Style(color="red", bold=True),
-    "invariant": Style(color="dark_orange", bold=True),  # an invariant fired there (flowrl.runtime.invariants)
+    "invariant": Style(color="dark_orange", bold=True),  # an invariant fired there (flowrl.provenance.invariants)
 }
 
 #: pool colours, assigned in the order pools are declared; none of them is a

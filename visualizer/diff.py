@@ -2,7 +2,7 @@
 
 Example::
 
-    from flowrl.runtime.rundiff import diff_runs
+    from flowrl.provenance.rundiff import diff_runs
     console.print(render_diff(diff_runs(a, b), "runs/a", "runs/b"))
 """
 

@@ -68,7 +68,7 @@ def pool_busy(graph: Graph, row: dict[str, float], placement: dict[str, str] | N
 
 def plan_line(row: dict[str, float]) -> str | None:
     """Predicted against measured step time and critical path, when the run checks its plan
-    (``plan/predicted_step_s``, :mod:`flowrl.runtime.plancheck`); None otherwise."""
+    (``plan/predicted_step_s``, :mod:`flowrl.plan.plancheck`); None otherwise."""
     predicted = row.get("plan/predicted_step_s")
     measured = row.get("timing/interval", row.get("timing/step"))
     if predicted is None or measured is None:

@@ -5,7 +5,7 @@ before any model starts. What it prints is the plan the runtime submits.
 
 Example::
 
-    from flowrl.runtime.plan import make_plan
+    from flowrl.plan.planner import make_plan
     print_plan(make_plan(graph))
 """
 
@@ -19,7 +19,7 @@ from rich.text import Text
 
 from flowrl.data.dispatch import get_mode
 from flowrl.graph import SOURCE
-from flowrl.runtime.plan import DRIVER, Plan, Read, Simulation, Task
+from flowrl.plan.planner import DRIVER, Plan, Read, Simulation, Task
 from visualizer.dag import pool_colors
 
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    from flowrl.runtime.replay import replay_step
+    from flowrl.run.replay import replay_step
     console.print(render_replay(replay_step("runs/grpo", 3, "advantage", {...})))
 """
 

@@ -13,6 +13,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 from tensordict import TensorDict
+from flowrl.errors import RunError
 
 __all__ = [
     "DataProtoError",
@@ -22,7 +23,7 @@ __all__ = [
 ]
 
 
-class DataProtoError(ValueError, AssertionError):
+class DataProtoError(RunError, ValueError, AssertionError):
     """A DataProto was built or used inconsistently (sizes, keys, types).
 
     Also an ``AssertionError``: where verl's DataProto asserts, code ported

@@ -42,12 +42,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
+from flowrl.errors import RunError
 
 if TYPE_CHECKING:  # torch-backed; the registry itself stays light
     from flowrl.data.proto import DataProto
 
 
-class DispatchError(ValueError):
+class DispatchError(RunError, ValueError):
     """A dispatch mode was misused: unknown name, or outputs that do not match its ranks."""
 
 

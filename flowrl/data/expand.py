@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeVar
+from flowrl.errors import RunError
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 Rows = TypeVar("Rows", "DataProto", "torch.Tensor")
 
 
-class RowCountError(ValueError):
+class RowCountError(RunError, ValueError):
     """An operator returned a batch whose length is not its input's times its expansion."""
 
     def __init__(self, node: str, expected: int, actual: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from typing import Literal, Union
+from flowrl.errors import ConfigError
 
 Kind = Literal["tensor", "non_tensor", "meta"]
 Dim = Union[int, str]
@@ -39,7 +40,7 @@ _SPEC = re.compile(r"^\s*(?P<dtype>[A-Za-z_][A-Za-z0-9_]*|\*)\s*(?:\[(?P<shape>[
 _DIM = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*|\d+|\*|\.\.\.)$")
 
 
-class FieldSpecError(ValueError):
+class FieldSpecError(ConfigError, ValueError):
     """A field spec string could not be parsed."""
 
 

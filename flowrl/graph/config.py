@@ -140,7 +140,7 @@ class ScheduleConfig(_Strict):
 class RecordConfig(_Strict):
     """``trainer.record``: the outputs of ``nodes`` saved every ``every`` steps (safetensors and
     JSON, under ``<out>/records``), the oldest steps removed past ``max_gb``; what ``flowrl
-    replay`` rebuilds a step from (:mod:`flowrl.runtime.record`)."""
+    replay`` rebuilds a step from (:mod:`flowrl.provenance.record`)."""
 
     nodes: list[str] = Field(min_length=1, description="the nodes whose outputs are saved (the step's data "
                              "batch is saved with them)")
@@ -160,7 +160,7 @@ class TrainerConfig(_Strict):
     dump_rollouts: bool = Field(False, description="write each step's prompts, responses, rewards to JSONL")
     log_every: int = Field(1, ge=1)
     wandb_project: str | None = Field(None, description="also log to this wandb project (needs wandb)")
-    # finding where a run went wrong (flowrl diff; flowrl.runtime.invariants)
+    # finding where a run went wrong (flowrl diff; flowrl.provenance.invariants)
     fingerprints: bool = Field(True, description="write a digest and statistics of every node output per step "
                                "to fingerprints.jsonl")
     invariants: Literal["warn", "fatal", "off"] = Field(

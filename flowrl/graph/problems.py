@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, ClassVar
+from flowrl.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class BuildProblem:
     fix: str = ""
 
 
-class GraphProblem(Exception):
+class GraphProblem(ConfigError):
     """One thing wrong with a graph definition."""
 
     severity: ClassVar[str] = "error"
@@ -174,7 +175,7 @@ class UnusedOutputWarning(GraphProblem):
     title = "unused output"
 
 
-class GraphError(Exception):
+class GraphError(ConfigError):
     """A graph that cannot run; ``problems`` lists every error found."""
 
     def __init__(self, problems: list[GraphProblem], warnings: list[GraphProblem] | None = None):

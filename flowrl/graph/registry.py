@@ -24,13 +24,14 @@ from typing import Any, Callable, Mapping
 
 from pydantic import BaseModel
 
+from flowrl.errors import ConfigError
 from flowrl.data.fields import Field
 from flowrl.graph.spec import OperatorSpec
 
 ENTRY_POINT_GROUP = "flowrl.operators"
 
 
-class UnknownNameError(KeyError):
+class UnknownNameError(ConfigError, KeyError):
     """A name that is not registered; ``suggestions`` holds close names."""
 
     def __init__(self, what: str, name: str, suggestions: list[str], hint: str = ""):
@@ -52,7 +53,7 @@ class UnknownNameError(KeyError):
         return f"did you mean {' or '.join(repr(s) for s in self.suggestions)}? "
 
 
-class ImportPathError(ImportError):
+class ImportPathError(ConfigError, ImportError):
     """``module:attr`` could not be imported."""
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict
 
+from flowrl.errors import ConfigError, RunError
 from flowrl.data.fields import Field
 from flowrl.data.metrics import metric_value
 
@@ -44,11 +45,11 @@ class NoParams(Params):
     """An operator without parameters."""
 
 
-class OperatorDeclarationError(TypeError):
+class OperatorDeclarationError(ConfigError, TypeError):
     """An operator was declared inconsistently (a programming error, raised at import)."""
 
 
-class OperatorOutputError(RuntimeError):
+class OperatorOutputError(RunError):
     """An operator returned something other than what it declared."""
 
 

@@ -23,10 +23,10 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from flowrl.runtime.errors import WorkerDiedError
+from flowrl.errors import WorkerDiedError
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S
-from flowrl.runtime.pools import PoolSpec
-from flowrl.runtime.traits import LOCAL, BackendTraits, register_traits
+from flowrl.plan.pools import PoolSpec
+from flowrl.plan.traits import LOCAL, BackendTraits, register_traits
 from flowrl.runtime.worker import Call, NodeEntry
 
 
@@ -34,9 +34,9 @@ class Backend(abc.ABC):
     """Interface (see module docstring)."""
 
     name = "base"
-    #: what the plan depends on (:mod:`flowrl.runtime.traits`); set by :func:`backend`
+    #: what the plan depends on (:mod:`flowrl.plan.traits`); set by :func:`backend`
     traits: BackendTraits = LOCAL
-    #: the run's log (:mod:`flowrl.runtime.runlog`): where worker processes' output goes; None: keep none
+    #: the run's log (:mod:`flowrl.store.runlog`): where worker processes' output goes; None: keep none
     log_path: Path | None = None
 
     @abc.abstractmethod
@@ -95,7 +95,7 @@ class Backend(abc.ABC):
         return ""
 
     def dead_workers(self) -> list[tuple[str, int]]:
-        """The (pool, rank) of every worker whose process has died (:mod:`flowrl.runtime.restarts`)."""
+        """The (pool, rank) of every worker whose process has died (:mod:`flowrl.recovery.restarts`)."""
         return []
 
     def death_cause(self, pool: str, rank: int) -> str | None:
@@ -110,7 +110,7 @@ class Backend(abc.ABC):
 
     def restart_pool(self, pool: str) -> None:
         """Start every worker of ``pool`` anew (the live ones ended: a rank whose peer died may be stuck in
-        a collective) and form its process group again, for a rollback (:mod:`flowrl.runtime.rollback`)."""
+        a collective) and form its process group again, for a rollback (:mod:`flowrl.recovery.rollback`)."""
         self.replace(pool, 0)
 
     def discard(self, handles: list[Any]) -> None:

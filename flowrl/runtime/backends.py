@@ -13,14 +13,14 @@ from pathlib import Path
 
 from flowrl.runtime.backend import BACKENDS, Backend, backend, describe_death
 from flowrl.runtime.local import LocalBackend
-from flowrl.runtime.pools import DRIVER, PoolSpec
+from flowrl.plan.pools import DRIVER, PoolSpec
 from flowrl.runtime.ray_backend import RayBackend
-from flowrl.runtime.runlog import quiet_known_warnings
+from flowrl.store.runlog import quiet_known_warnings
 
 
 def make_backend(name: str, address: str | None = None, log_path: Path | None = None) -> Backend:
     """A new backend of the registered kind ``name``; ``log_path``: the run's log, for what worker
-    processes print (:mod:`flowrl.runtime.runlog`)."""
+    processes print (:mod:`flowrl.store.runlog`)."""
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; registered backends: {', '.join(sorted(BACKENDS))}")
     quiet_known_warnings()  # in this process too: the local backend runs operators here

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from flowrl.runtime.errors import RuntimeFailure
+from flowrl.errors import RuntimeFailure
 from flowrl.runtime.hangs import collective_line
 
 #: gloo between CPU tensors, NCCL between CUDA tensors

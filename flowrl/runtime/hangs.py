@@ -1,6 +1,6 @@
 """Where a stuck worker is stuck: the Python stack of every thread, taken inside the worker.
 
-When the watchdog (:mod:`flowrl.runtime.watchdog`) finds a task past its
+When the watchdog (:mod:`flowrl.recovery.watchdog`) finds a task past its
 timeout, the driver asks that worker for its stacks through the backend
 (:meth:`~flowrl.runtime.backend.Backend.stacks`: a Ray actor answers on a
 control thread of its own while its task thread is stuck; the local backend

@@ -14,8 +14,8 @@ from typing import Any
 
 from flowrl.runtime.backend import Backend, backend
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, thread_stacks
-from flowrl.runtime.pools import DRIVER, PoolSpec
-from flowrl.runtime.traits import LOCAL
+from flowrl.plan.pools import DRIVER, PoolSpec
+from flowrl.plan.traits import LOCAL
 from flowrl.runtime.worker import Call, NodeEntry, Worker
 
 

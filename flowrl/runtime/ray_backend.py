@@ -16,12 +16,12 @@ from typing import Any
 
 from flowrl.runtime import ray_start
 from flowrl.runtime.backend import Backend, backend, describe_death
-from flowrl.runtime.errors import PlacementError, RuntimeFailure
+from flowrl.errors import PlacementError, RuntimeFailure
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
-from flowrl.runtime.pools import DRIVER, PoolSpec
-from flowrl.runtime.runlog import log_offset, warning_notes
+from flowrl.plan.pools import DRIVER, PoolSpec
+from flowrl.store.runlog import log_offset, warning_notes
 from flowrl.runtime.startup import Span, process_start, span
-from flowrl.runtime.traits import RAY
+from flowrl.plan.traits import RAY
 from flowrl.runtime.worker import Call, NodeEntry
 from flowrl.runtime.worker_process import ProcessWorker, role_modules
 
@@ -132,7 +132,7 @@ class RayBackend(Backend):
         self.spans.append(Span("driver", "worker processes asked for", time.time(), time.time(), os.getpid()))
 
     def _log(self) -> str | None:
-        """The run's log, where each worker process writes what it prints (:mod:`flowrl.runtime.runlog`)."""
+        """The run's log, where each worker process writes what it prints (:mod:`flowrl.store.runlog`)."""
         return str(self.log_path) if self.log_path is not None else None
 
     def _place(self, ray: Any, pools: list[PoolSpec]) -> None:

@@ -30,9 +30,9 @@ import threading
 import time
 from typing import Any
 
-from flowrl.runtime.errors import PlacementError
+from flowrl.errors import PlacementError
 from flowrl.runtime.startup import Span
-from flowrl.runtime.traits import RAY
+from flowrl.plan.traits import RAY
 
 
 class RayStart:

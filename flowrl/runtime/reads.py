@@ -28,7 +28,7 @@ from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import DROPPED, concat_rows
 from flowrl.data.expand import take_rows
 from flowrl.graph import SOURCE
-from flowrl.runtime.plan import Plan, Read, Task, TaskKey
+from flowrl.plan.planner import Plan, Read, Task, TaskKey
 
 
 def union_columns(parts: list[DataProto]) -> DataProto:

@@ -18,8 +18,8 @@ from typing import Any
 
 from flowrl.data import DataProto
 from flowrl.data.metrics import Reduction
-from flowrl.runtime.plan import Plan
-from flowrl.runtime.simulate import bounds_of, pool_work
+from flowrl.plan.planner import Plan
+from flowrl.plan.simulate import bounds_of, pool_work
 from flowrl.runtime.worker import Info
 
 TaskKey = tuple[str, int | None]
@@ -38,7 +38,7 @@ class StepResult:
     checkpoint: dict[str, Any] | None = None  # states taken right after this step (see Runtime.run)
     val_metrics: dict[str, float] | None = None  # validation right after this step
     syncs: list[Info] = field(default_factory=list)  # weight loads on other pools this step waited on
-    records: dict[str, DataProto] | None = None  # recorded nodes' outputs (flowrl.runtime.record)
+    records: dict[str, DataProto] | None = None  # recorded nodes' outputs (flowrl.provenance.record)
 
     @property
     def efficiency(self) -> float:

@@ -5,10 +5,10 @@ its dispatch mode names, in the plan's per-pool order — handing each task the
 :class:`~flowrl.data.DataProtoFuture` of its inputs (per-shard handles), never
 their values. Pools then run concurrently; a streaming node's micro-batch m
 starts as soon as its upstream's micro-batch m is done. Steps overlap within
-the staleness bound (:mod:`flowrl.runtime.staleness` holds every rule of it).
+the staleness bound (:mod:`flowrl.plan.staleness` holds every rule of it).
 
 Then it waits: the reports of every finished task are taken together, the
-watchdog (:mod:`flowrl.runtime.watchdog`) checks what is still running, and a
+watchdog (:mod:`flowrl.recovery.watchdog`) checks what is still running, and a
 finished step becomes a :class:`~flowrl.runtime.reports.StepResult`
 (:mod:`flowrl.runtime.reports`). The driver reads only reports and, on request,
 a few fields.
@@ -35,17 +35,17 @@ from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import get_mode
 from flowrl.graph import Graph
 from flowrl.runtime.backends import Backend, describe_death, make_backend
-from flowrl.runtime.errors import NodeError, RuntimeFailure, WorkerDiedError
-from flowrl.runtime.faults import fault_from_env
-from flowrl.runtime.plan import Plan, Task, make_plan
+from flowrl.errors import NodeError, RuntimeFailure, WorkerDiedError
+from flowrl.recovery.faults import fault_from_env
+from flowrl.plan.planner import Plan, Task, make_plan
 from flowrl.runtime.reads import fetched, task_input
-from flowrl.runtime.record import collect_records
-from flowrl.runtime.refill import keyed_draw, refill_of, refill_step
+from flowrl.provenance.record import collect_records
+from flowrl.recovery.refill import keyed_draw, refill_of, refill_step
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
-from flowrl.runtime.restarts import Restarts, RollbackNeeded, replace_dead
-from flowrl.runtime.staleness import Versions, window
+from flowrl.recovery.restarts import Restarts, RollbackNeeded, replace_dead
+from flowrl.plan.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
-from flowrl.runtime.watchdog import TaskTimeout, check_timeouts, get_within
+from flowrl.recovery.watchdog import TaskTimeout, check_timeouts, get_within
 from flowrl.runtime.worker import Call, Info, node_entries
 
 TaskKey = tuple[str, int | None]
@@ -91,11 +91,11 @@ class Runtime:
         record: Callable[[int], dict[str, list[str]]] | None = None,
     ) -> None:
         """``stage(step)``: the directory where the ranks of a sharded role write its shards for
-        step ``step``'s checkpoint (a :class:`~flowrl.runtime.checkpoint.CheckpointStore`'s
+        step ``step``'s checkpoint (a :class:`~flowrl.store.checkpoint.CheckpointStore`'s
         staging directory); default: one under the system's temporary directory. The plan
         is made for the backend's traits; with ``trainer.val_every`` it carries the
         validation plan, run by the same loop. ``record(step)``: the fields of each node whose
-        outputs step ``step``'s result carries as ``records`` (:mod:`flowrl.runtime.record`)."""
+        outputs step ``step``'s result carries as ``records`` (:mod:`flowrl.provenance.record`)."""
         graph.check(resources=resources).raise_if_errors()
         self.graph = graph
         self.backend = make_backend(backend, address) if isinstance(backend, str) else backend

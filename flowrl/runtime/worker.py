@@ -25,17 +25,17 @@ from flowrl.data.dispatch import RowKeys, get_mode
 from flowrl.data.expand import RowCountError, check_rows
 from flowrl.graph import OperatorSpec, Params
 from flowrl.graph.config import OnErrorConfig
-from flowrl.runtime.checkpoint_state import load_states, save_states
+from flowrl.store.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
-from flowrl.runtime.errors import NodeError, StalenessError
-from flowrl.runtime.faults import Fault, Injector, RefillNeeded, run_guarded
+from flowrl.errors import NodeError, RunError, StalenessError
+from flowrl.recovery.faults import Fault, Injector, RefillNeeded, run_guarded
 from flowrl.runtime.hangs import thread_stacks
-from flowrl.runtime.fingerprints import WeightDigests, source_prints, source_readers, task_prints
-from flowrl.runtime.pools import RoleBuild
-from flowrl.runtime.rowspace import input_space
+from flowrl.provenance.fingerprints import WeightDigests, source_prints, source_readers, task_prints
+from flowrl.plan.pools import RoleBuild
+from flowrl.plan.rowspace import input_space
 
 if TYPE_CHECKING:
-    from flowrl.runtime.plan import Plan
+    from flowrl.plan.planner import Plan
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,10 @@ class NodeEntry:
     inputs: dict[str, str] = field(default_factory=dict)  # graph field → operator field
     outputs: dict[str, str] = field(default_factory=dict)  # operator field → graph field
     name: str = ""  # the node's name, for errors
-    on_error: OnErrorConfig | None = None  # the node's failure policy (:mod:`flowrl.runtime.faults`)
+    on_error: OnErrorConfig | None = None  # the node's failure policy (:mod:`flowrl.recovery.faults`)
     group: int = 1  # input rows per prompt: a group, for on_error drop_group without a uid column
     fault: Fault | None = None  # the fault switch, when it names this node
-    fingerprint: bool = False  # report the output's fingerprints (flowrl.runtime.fingerprints)
+    fingerprint: bool = False  # report the output's fingerprints (flowrl.provenance.fingerprints)
     source_inputs: tuple[str, ...] = ()  # the data-source fields it is the first to read (it fingerprints them)
 
 
@@ -134,7 +134,7 @@ class Info:
     prints: dict[str, Any] | None = None  # fingerprints of the output and the weights used
 
 
-class NonFiniteOutput(ValueError):
+class NonFiniteOutput(RunError, ValueError):
     """An operator produced NaN or infinity."""
 
 
@@ -279,7 +279,7 @@ class Worker:
                 after = self._digest(entry.role) if entry.op.updates_role and used is not None else None
                 prints = task_prints(out, batch, source, entry.role, used, after)
         except RefillNeeded:
-            raise  # the driver refills the step (flowrl.runtime.refill)
+            raise  # the driver refills the step (flowrl.recovery.refill)
         except (StalenessError, NonFiniteOutput, RowCountError) as e:
             raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
         except Exception as e:

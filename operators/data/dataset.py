@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
 import numpy as np
 import torch
 
+from flowrl.errors import ConfigError
 from operators.data.tasks import TaskRows
 
 # type hints only: declaring operators (``flowrl validate``) does not import transformers
@@ -55,7 +56,7 @@ Truncation = Literal["left", "right", "error"]
 REQUIRED_COLUMNS = ("prompt", "data_source", "reward_model")
 
 
-class DatasetError(ValueError):
+class DatasetError(ConfigError, ValueError):
     """A dataset file or row does not fit the verl schema: names the file, row and column."""
 
 

@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 
+from flowrl.errors import ConfigError
 from operators.data.multimodal import load_processor
 from operators.models.fsdp import tied_parameters
 from operators.models.loading import load_model, save_model
 
 
-class ExportError(ValueError):
+class ExportError(ConfigError, ValueError):
     """The run directory, step or role cannot be exported; says which and how to fix it."""
 
 

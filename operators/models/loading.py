@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Literal, Union
 import torch
 from tokenizers import Tokenizer
 
+from flowrl.errors import ConfigError
 from operators.models.hf import hf
 from operators.models.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config, tiny_core_tokenizer
 from operators.models.tiny_tools import (build_tiny_tools_model, build_tiny_tools_tokenizer, tiny_tools_config,
@@ -49,7 +50,7 @@ _DTYPES = {
 }
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(ConfigError, ValueError):
     """A model spec could not be turned into a model: says which spec and why."""
 
 

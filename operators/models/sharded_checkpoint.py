@@ -4,7 +4,7 @@
 torch.distributed.checkpoint's ``get_state_dict`` lays them out: keyed by
 parameter name (not by the optimizer's integer ids), DTensors when the model
 is sharded over a pool's ranks, plain tensors in one process. The checkpointer
-(:mod:`flowrl.runtime.checkpoint_state`) writes the tensors with DCP, so a
+(:mod:`flowrl.store.checkpoint_state`) writes the tensors with DCP, so a
 state written by N ranks loads into M; nothing here knows files or directories.
 
 A tied parameter is stored once, under its first name (see

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from flowrl.errors import ConfigError
 from flowrl.graph.registry import ImportPathError, load_object
 
 
-class RewardFnError(ValueError):
+class RewardFnError(ConfigError, ValueError):
     """A reward function spec could not be loaded, or a reward function returned a bad value."""
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal, Mapping, Sequence
 import torch
 from pydantic import Field
 
+from flowrl.errors import RunError
 from flowrl.data.metrics import mean, total
 from flowrl.graph import Params
 from operators.data.dataset import left_pad, position_ids_from_mask
@@ -134,7 +135,7 @@ class Trajectory:
         return ""
 
 
-class AgentLoopError(RuntimeError):
+class AgentLoopError(RunError):
     """The loop was set up wrong (not a model's mistake: those become tool-error turns)."""
 
 

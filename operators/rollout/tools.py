@@ -49,10 +49,11 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import yaml
 from pydantic import BaseModel, ConfigDict
 
+from flowrl.errors import ConfigError
 from flowrl.graph.registry import ImportPathError, load_object
 
 
-class ToolConfigError(ValueError):
+class ToolConfigError(ConfigError, ValueError):
     """A tool config or tool reference is wrong: names the file, entry and field."""
 
 

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Literal, Mapping
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from flowrl.errors import RunError
 from flowrl.data.expand import expand_rows
 from operators.rollout.base import (RolloutEngine, SamplingParams, call_seeds, pad_responses, rollout_output,
                                    sample_seeds)
@@ -77,7 +78,7 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
 PROBE_LENGTH = 48
 
 
-class WeightSyncError(RuntimeError):
+class WeightSyncError(RunError):
     """The engine's weights are not the trainer's after a push."""
 
 

@@ -1,0 +1,150 @@
+"""``on_error: {then: refill}``: the groups a node still fails on are replaced by fresh prompts.
+
+The worker finds the groups its operator fails on (as for ``drop_group``) and
+reports them (:class:`~flowrl.recovery.faults.RefillNeeded`). The driver then:
+
+1. draws as many fresh prompts from the data source, keyed by the run's seed,
+   the step and the round (:func:`keyed_draw`): a resumed run draws the very
+   same ones, whatever it read before;
+2. puts them in the failed prompts' places in the step's batch (their ``uid``
+   renamed ``<step>-refill<round>-<i>``, prompt columns left-padded to one width);
+3. runs the step again on it: every task of the step, and every task of a
+   later step in flight that waited on one of them
+   (:func:`~flowrl.recovery.restarts.lost_tasks`); keyed sampling seeds make the
+   prompts that did not fail produce what they produced before.
+
+``faults/refilled_groups`` counts them. A step whose update or stateful
+operator already ran cannot run again: it fails, named; so does a step still
+failing after :data:`MAX_ROUNDS` rounds.
+
+Example::
+
+    draw = keyed_draw(graph.config)
+    fresh = draw(step=4, k=2, round=1)
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from flowrl.data import DataProto
+from flowrl.graph.config import GraphConfig
+from flowrl.graph.registry import REGISTRY
+from flowrl.errors import RuntimeFailure
+from flowrl.recovery.faults import RefillNeeded
+from flowrl.plan.planner import Plan
+from flowrl.recovery.restarts import lost_tasks, report_status, resubmit
+
+#: rounds of fresh prompts one step may draw before it fails
+MAX_ROUNDS = 3
+
+Draw = Callable[[int, int, int], DataProto]
+
+
+class RefillError(RuntimeFailure):
+    """A step could not be refilled."""
+
+
+def refill_of(exc: BaseException) -> RefillNeeded | None:
+    """The :class:`RefillNeeded` a failed report carries (itself, or a Ray error's cause)."""
+    cause = getattr(exc, "cause", None)
+    return exc if isinstance(exc, RefillNeeded) else cause if isinstance(cause, RefillNeeded) else None
+
+
+def refill_seed(seed: int, step: int, round_: int) -> int:
+    digest = hashlib.sha256(f"flowrl-refill:{seed}:{step}:{round_}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+def keyed_draw(cfg: GraphConfig) -> Draw:
+    """``draw(step, k, round)``: ``k`` fresh prompts of the graph's data source, from a source
+    seeded by (run seed, step, round) — the same prompts whenever they are drawn."""
+    kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
+    spec = REGISTRY.source(kind)
+    data_cfg = spec.config.model_validate(cfg.data.dump())
+
+    def draw(step: int, k: int, round_: int) -> DataProto:
+        source = spec.factory(data_cfg, seed=refill_seed(cfg.trainer.seed, step, round_), roles=cfg.roles)
+        batch = next(source)
+        if len(batch) < k:
+            raise RefillError(f"the data source gave {len(batch)} prompts; {k} are needed to refill step {step + 1}")
+        return batch[list(range(k))]
+
+    return draw
+
+
+def failed_rows(need: RefillNeeded, plan: Plan, batch: DataProto) -> list[int]:
+    """The source rows (prompts) of the failed groups: by ``uid`` when the node read it, else by
+    place (a task on one rank: its groups are its micro-batch's prompts, in order)."""
+    if need.uids is not None and "uid" in batch.non_tensor_batch:
+        wanted = set(need.uids)
+        return [i for i, u in enumerate(batch.non_tensor_batch["uid"]) if u in wanted]
+    task = plan.tasks[(need.node, need.mb)]
+    if len(task.ranks) > 1:
+        raise RefillError(f"node {need.node!r}: on_error refill on {len(task.ranks)} ranks needs the groups' uid; "
+                          f"the node does not read 'uid'")
+    start = plan.prompt_bounds[need.mb] if need.mb is not None else 0
+    return [start + g for g in need.groups]
+
+
+def splice(batch: DataProto, rows: list[int], fresh: DataProto, step: int, round_: int) -> DataProto:
+    """``batch`` with its rows ``rows`` replaced by ``fresh``'s rows, in order."""
+    fresh = fresh[list(range(len(rows)))]
+    if "uid" in fresh.non_tensor_batch:
+        fresh.non_tensor_batch["uid"] = np.array([f"{step}-refill{round_}-{i}" for i in range(len(rows))],
+                                                 dtype=object)
+    batch, fresh = _left_pad_alike(batch, fresh)
+    both = DataProto.concat([batch, fresh])
+    at = {r: len(batch) + j for j, r in enumerate(rows)}
+    return both[[at.get(i, i) for i in range(len(batch))]]
+
+
+def _left_pad_alike(a: DataProto, b: DataProto) -> tuple[DataProto, DataProto]:
+    """Prompt columns (left-padded) of two batches padded on the left to one width."""
+    if a.batch is None or b.batch is None:
+        return a, b
+    for key in a.batch.keys():
+        x, y = a.batch[key], b.batch[key]
+        if x.dim() == 2 and y.dim() == 2 and x.shape[1] != y.shape[1]:
+            width = max(x.shape[1], y.shape[1])
+            a.batch[key] = _pad_left(x, width)  # noqa: the batch is the driver's own copy
+            b.batch[key] = _pad_left(y, width)
+    return a, b
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[1] == width else torch.cat([t.new_zeros(t.shape[0], width - t.shape[1]), t], dim=1)
+
+
+def refill_step(need: RefillNeeded, steps: list[Any], backend: Any, syncs: dict, submit: Callable[[Any, Any], None],
+                op_state: dict[str, Any], draw: Draw, after: Callable[[Any], None] | None = None) -> bool:
+    """Run step ``steps[0]`` again with the failed groups' prompts replaced (see the module docstring);
+    True, or a :class:`RefillError` when it cannot."""
+    st = steps[0]
+    st.faults["refill_rounds"] += 1
+    rounds = int(st.faults["refill_rounds"])
+    what = f"node {need.node!r} at step {st.step + 1}"
+    if st.plan.kind != "train":
+        raise RefillError(f"{what} (validation) failed on {len(need.groups)} group(s): {need.cause}")
+    if rounds > MAX_ROUNDS:
+        raise RefillError(f"{what} still fails on {len(need.groups)} group(s) after {MAX_ROUNDS} rounds of fresh "
+                          f"prompts: {need.cause}")
+    done = [k for h, (k, _, _) in st.reports.items() if k is not None and report_status(backend, h)]
+    ran = sorted({k[0] for k in done if st.plan.tasks[k].updates or st.plan.tasks[k].stateful})
+    if ran:
+        raise RefillError(f"{what} failed on {len(need.groups)} group(s) ({need.cause}), but {', '.join(ran)} of "
+                          f"that step already ran, so it cannot run again with fresh prompts; use drop_group there")
+    rows = failed_rows(need, st.plan, st.batch)
+    st.batch = splice(st.batch, rows, draw(st.step, len(rows), rounds), st.step, rounds)
+    st.src = backend.put(st.batch)
+    lost, lost_updates = lost_tasks(steps, set(), lambda h: report_status(backend, h), frozenset(st.plan.order))
+    resubmit(steps, lost, lost_updates, set(), syncs, submit, op_state, after, backend.discard)
+    st.faults["refilled_groups"] += len(rows)
+    return True
+
+
+__all__ = ["MAX_ROUNDS", "RefillError", "keyed_draw", "refill_of", "refill_seed", "refill_step", "splice"]

@@ -1,0 +1,116 @@
+"""The watchdog: a task that has *run* past its timeout fails the step, named.
+
+A task is timed from when its inputs were done and its worker was free for it
+(not from when it was queued), so a slow upstream node or a long queue is never
+blamed on the task behind it: that node's own watchdog fires first.
+
+The error carries the stuck worker's Python stacks, every thread
+(:mod:`flowrl.runtime.hangs`), so it says which line the operator is stuck on;
+for a task on several ranks of a pool's group, every rank's, headed by which
+ranks are inside the collective that does not complete and which are not. It
+names the node (:class:`TaskTimeout`), so the live view can mark it stuck.
+Every node has a timeout: its own ``timeout_s``, else ``schedule.timeout_s``
+(one hour unless set; ``null`` turns it off).
+
+Example::
+
+    check_timeouts(step, plan, graph, pending, ended, submitted_at, worker_free, label, stacks)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from flowrl.graph import Graph
+from flowrl.errors import NodeTimeoutError
+from flowrl.runtime.hangs import collective_summary
+from flowrl.plan.planner import DRIVER, Plan
+
+TaskKey = tuple[str, int | None]
+
+
+class TaskTimeout(NodeTimeoutError):
+    """A task past its timeout; ``node``: its node (None: a weight sync)."""
+
+    def __init__(self, message: str, node: str | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+def check_timeouts(
+    step: int,
+    plan: Plan,
+    graph: Graph,
+    pending: dict[object, tuple[TaskKey | None, str, int]],
+    ended: dict[TaskKey, float],
+    submitted_at: float,
+    worker_free: dict[tuple[str, int], float],
+    label: Callable[[str, int], str],
+    stacks: Callable[[str, int], str] | None = None,
+) -> None:
+    """Raise :class:`TaskTimeout` for the first pending task past its ``timeout_s``.
+
+    ``pending`` maps a handle to ``(task key or None for a sync/snapshot, pool, rank)``;
+    ``stacks(pool, rank)``: that worker's Python stacks, shown in the error.
+    """
+    now = time.time()
+    default = graph.config.schedule.timeout_s
+    busy = {(pool, rank) for k, pool, rank in pending.values() if k is None}  # syncs, snapshots
+    first: dict[tuple[str, int], object] = {}  # each worker's earliest pending handle (reports are in submit order)
+    for h, (_, pool, rank) in pending.items():
+        first.setdefault((pool, rank), h)
+    for h, (key, pool, rank) in pending.items():
+        if key is None:  # a weight sync: timed from when its worker was free for it
+            ready = max(submitted_at, worker_free.get((pool, rank), 0.0))
+            if default is not None and first[(pool, rank)] is h and now - ready > default:
+                raise TaskTimeout(
+                    f"loading weights on {label(pool, rank)} (for step {step + 1}) has taken {now - ready:.1f}s, "
+                    f"past schedule.timeout_s={default:g}" + _where(pool, [rank], label, stacks))
+            continue
+        limit = graph.nodes[key[0]].timeout_s or default
+        if limit is None:
+            continue
+        deps = plan.tasks[key].deps
+        if any(d not in ended for d in deps):
+            continue  # still waiting on its inputs; that node's own watchdog fires first
+        ready = max([ended[d] for d in deps] + [submitted_at])
+        if pool != DRIVER:
+            queue = plan.pool_order[pool]
+            before = queue[: queue.index(key)]
+            if (pool, rank) in busy or any(k not in ended for k in before):
+                continue  # queued behind other work on its worker
+            ready = max([ready, worker_free.get((pool, rank), 0.0)] + [ended[k] for k in before])
+        if now - ready > limit:
+            waited = [f"{d[0]}" + (f"[{d[1]}]" if d[1] is not None else "") for d in deps]
+            ranks = plan.tasks[key].ranks if len(plan.tasks[key].ranks) > 1 else [rank]
+            raise TaskTimeout(
+                f"node {key[0]!r} (step {step + 1}" + (f", micro-batch {key[1]}" if key[1] is not None else "")
+                + f") has run {now - ready:.1f}s on {label(pool, rank)}, past its "
+                f"timeout_s={limit:g}; its inputs ({', '.join(waited) or 'the data'}) were ready and its "
+                f"worker free, so it is the operator itself that is slow or stuck" + _where(pool, ranks, label, stacks),
+                key[0])
+
+
+def _where(pool: str, ranks: list[int], label: Callable[[str, int], str],
+           stacks: Callable[[str, int], str] | None) -> str:
+    """The stuck workers' stacks (and, for several ranks, which are inside a collective) as the tail of a
+    timeout's message."""
+    where = {r: stacks(pool, r) for r in ranks} if stacks is not None else {}
+    summary = collective_summary(pool, where) if len(ranks) > 1 else ""
+    return (f"\n{summary}" if summary else "") + "".join(
+        f"\n--- where {label(pool, r)} is (every thread, innermost call last) ---\n{text.rstrip()}"
+        for r, text in where.items() if text)
+
+
+def get_within(get: Callable[..., object], handle: object, limit: float | None, what: str) -> object:
+    """``get(handle)`` within ``limit`` seconds (None: no limit), else a :class:`NodeTimeoutError` naming ``what``."""
+    try:
+        return get(handle, timeout=limit)
+    except Exception as e:
+        if "Timeout" not in type(e).__name__:  # Ray's GetTimeoutError, concurrent.futures' TimeoutError
+            raise
+        raise NodeTimeoutError(f"{what} did not come within schedule.timeout_s={limit:g}") from None
+
+
+__all__ = ["TaskTimeout", "check_timeouts", "get_within"]
