@@ -122,7 +122,7 @@ def main() -> None:
                     if vllm is None:
                         continue
                     state = {k: v + 0.01 for k, v in model.state_dict().items()}
-                    pushes = [vllm.update_weights(state) for _ in range(3)]
+                    pushes = [vllm.update_weights(state, version=v) for v in range(1, 4)]
                     best = min(p["rollout/weight_push_s"] for p in pushes)
                     mb = pushes[0]["rollout/weight_push_mb"]
                     push_rows.append([name, dtype, f"{mb:.1f}", f"{int(pushes[0]['rollout/weight_push_buckets'])}",

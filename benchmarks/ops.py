@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from flowrl.graph import Params, operator, role_kind, source
+from flowrl.graph import Params, Role, operator, role_kind, source
 
 MAX_INPUTS = 8
 ANY_ROWS = "*[B, ...]"  # any dtype, any trailing dims: whatever the upstream wrote
@@ -121,12 +121,11 @@ class BenchRole(BaseModel):
 
 
 @role_kind("bench_actor", config=BenchRole)
-class BenchActor:
-    """A stand-in model: a weight vector (moved by weight syncs) and a version."""
+class BenchActor(Role):
+    """A stand-in model: a weight vector (moved by weight syncs); its version is the worker's."""
 
     def __init__(self, cfg: BenchRole, ctx: Any = None) -> None:
         self.w = torch.zeros(cfg.weights)
-        self.version = 0
 
     def get_weights(self) -> torch.Tensor:
         return self.w.clone()

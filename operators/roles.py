@@ -23,13 +23,13 @@ from typing import Annotated, Any, Callable, Literal
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from flowrl.graph import role_kind
+from flowrl.graph import Role, Stateful, role_kind
 from operators.models import ModelLoadError, OptimConfig, check_model_spec, load_model
 from operators.models.engine import ENGINES, LossFn, build_engine
 from operators.models.fsdp import unsharded
 from operators.models.sharded_checkpoint import ModelState
 from operators.rewards import RewardModelScorer
-from operators.rollout.base import prompt_seeds
+from operators.rollout.base import RolloutEngine, prompt_seeds
 from operators.rollout.engines import EngineSource, build_rollout_engine, check_engine_options, engine_spec
 
 
@@ -95,7 +95,7 @@ class ActorConfig(ModelRoleConfig):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
 
-class TrainableRole:
+class TrainableRole(Role, Stateful):
     """A model trained by a registered engine (:mod:`operators.models.engine`), unless frozen.
 
     The engine is the role's ``engine:`` (``local``, ``fsdp2``), or by the
@@ -109,7 +109,6 @@ class TrainableRole:
         self.train_engine = build_engine(cfg.engine, model, optim=None if ctx.frozen else cfg.optim,
                                          group=getattr(ctx, "group", None), seed=ctx.seed,
                                          max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
-        self.version = 0
 
     # what the engine holds, as the role's (a checkpoint reads and writes them)
     model = property(lambda self: self.train_engine.model)
@@ -149,9 +148,6 @@ class TrainableRole:
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load full weights (another pool's :meth:`get_weights`); sharded: each rank copies its part."""
-        self._load_full_model(weights)
-
-    def _load_full_model(self, weights: dict[str, torch.Tensor]) -> None:
         self.train_engine.set_weights(weights)
 
     def state_dict(self) -> dict[str, Any]:
@@ -172,19 +168,25 @@ class TrainableRole:
         self.updates = state.get("updates", 0)
 
 
-class _UnshardedEngine:
+class _UnshardedEngine(RolloutEngine):
     """A rollout engine over a sharded model: each ``generate`` runs on full parameters
     (one all-gather on entry, resharded after), ``memory`` the last change it made.
 
     Inside :meth:`held` the full parameters stay for every ``generate``: a rollout
     that calls the engine a number of times of its own (a multi-turn conversation's
     rounds differ from rank to rank) gathers once, and no rank waits on another's call.
+    Everything else is the wrapped engine's.
     """
 
-    def __init__(self, engine: Any, model: torch.nn.Module, group: Any) -> None:
+    def __init__(self, engine: RolloutEngine, model: torch.nn.Module, group: Any) -> None:
         self._engine, self._model, self._group = engine, model, group
+        self.serves_requests, self.takes_images = engine.serves_requests, engine.takes_images
         self.memory = None
         self._holding = False
+
+    @property
+    def stop_token_ids(self) -> Any:
+        return self._engine.stop_token_ids
 
     @contextlib.contextmanager
     def held(self):
@@ -206,38 +208,75 @@ class _UnshardedEngine:
         with self.held():
             return self._engine.generate(*args, **kwargs)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    async def generate_one(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return await self._engine.generate_one(*args, **kwargs)
+
+    def update_weights(self, weights: Any, *, version: int) -> dict[str, float]:
+        return self._engine.update_weights(weights, version=version)
+
+    def check_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        return self._engine.check_weights(model)
+
+    def release_memory(self) -> None:
+        self._engine.release_memory()
+
+    def resume_memory(self) -> None:
+        self._engine.resume_memory()
+
+    def memory_metrics(self) -> dict[str, float]:
+        return self._engine.memory_metrics()
+
+    def rng_state(self) -> torch.Tensor | None:
+        return self._engine.rng_state()
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self._engine.set_rng_state(state)
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
 
 
 @role_kind("actor", config=ActorConfig)
 class Actor(TrainableRole):
-    """A policy LM: generates (its rollout engine shares the weights), scores its
-    own log-probs, and takes PPO steps."""
+    """A policy LM: generates, scores its own log-probs, and takes PPO steps.
+
+    It owns two engines, as verl's actor worker does: the training engine, which
+    :meth:`fit` runs, and the rollout engine, which generates. An engine that
+    keeps its own copy of the weights (vLLM, sglang) gives its memory back while
+    the training engine runs, and takes the new weights when the worker has
+    counted the update and tells the actor its version (:meth:`set_version`): the
+    push is stamped with the worker's version, never one the actor computes.
+    """
 
     def __init__(self, cfg: ActorConfig, ctx: Any) -> None:
         model, self.tokenizer = load_model(cfg.model, dtype=cfg.dtype, seed=ctx.seed, device=ctx.device)
         super().__init__(model, cfg, ctx)
-        self._engine = None
+        self._engine: RolloutEngine | None = None
+        self._rng: torch.Tensor | None = None  # a restored sampling stream, for the engine not built yet
 
     @property
-    def engine(self):
-        """The rollout engine, built on first use (a frozen reference never needs one)."""
+    def engine(self) -> RolloutEngine:
+        """The rollout engine, built on first use (a frozen reference never needs one) from the model's
+        weights of the version the actor was last told."""
         if self._engine is None:
             rollout = self.cfg.rollout
             source = EngineSource(self.model, self.tokenizer, self.cfg.model, seed=self.ctx.seed * 1009 + self.ctx.rank,
-                                  world_size=self.group.world_size)
-            self._engine = build_rollout_engine(rollout.engine, source, rollout.options())
+                                  world_size=self.group.world_size, version=self.version)
+            engine = build_rollout_engine(rollout.engine, source, rollout.options())
             if engine_spec(rollout.engine).shares_model and self.group.world_size > 1:
                 # generation calls forward per token: gather once
-                self._engine = _UnshardedEngine(self._engine, self.model, self.group)
+                engine = _UnshardedEngine(engine, self.model, self.group)
+            if self._rng is not None:
+                engine.set_rng_state(self._rng)
+                self._rng = None
+            self._engine = engine
         return self._engine
 
     def close(self) -> None:
         """Stop the rollout engine's own processes (vLLM, sglang) when it started any: a run that ends
         in a process that goes on (the local backend, a notebook) must not keep them and their memory."""
         engine, self._engine = self._engine, None
-        if engine is not None and hasattr(engine, "shutdown"):
+        if engine is not None:
             engine.shutdown()
 
     def sampling_seeds(self, batch: Any) -> torch.Tensor | None:
@@ -253,48 +292,47 @@ class Actor(TrainableRole):
         return engine.held() if isinstance(engine, _UnshardedEngine) else contextlib.nullcontext()
 
     def fit(self, batch: Any, loss_fn: LossFn, **schedule: Any) -> dict[str, float]:
-        """:meth:`TrainableRole.fit`, with a rollout engine of its own copy of the weights (vLLM,
-        sglang) handed its memory back while the update runs, where the device allows, and given
-        the new weights after it: its push and check metrics join the update's."""
-        releases = self._engine is not None and not self._engine_shares_model()
-        if releases:
-            self._engine.release_memory()
+        """The training engine's update (:meth:`TrainEngine.train_batch`), with a rollout engine of its
+        own copy of the weights handed its memory back meanwhile, where the device allows. The new
+        weights reach that engine when the worker tells the actor their version (:meth:`set_version`)."""
+        engine = self._own_copy()
+        if engine is not None:
+            engine.release_memory()
         try:
-            metrics = super().fit(batch, loss_fn, **schedule)
+            return self.train_engine.train_batch(batch, loss_fn, **schedule)
         finally:
-            if releases:
-                self._engine.resume_memory()
-        return {**metrics, **self._push_to_rollout(self.train_engine.named_weights(), self.version + 1)}
+            if engine is not None:
+                engine.resume_memory()
 
-    def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        super().set_weights(weights)
-        self._push_to_rollout(weights.items(), None)
-
-    def _engine_shares_model(self) -> bool:
-        return engine_spec(self.cfg.rollout.engine).shares_model
-
-    def _push_to_rollout(self, weights: Any, version: int | None) -> dict[str, float]:
-        """Load ``weights`` (``(name, tensor)`` pairs) into a rollout engine that keeps its own copy,
-        then check that it computes what this model computes (the engine's ``check_weights``): a
-        push that silently delivered nothing fails the update, named, instead of sampling on old
-        weights. Nothing to do before the engine is built (it starts from these weights) or when
-        it runs this very model (``hf``)."""
-        if self._engine is None or self._engine_shares_model():  # (``weights`` is lazy: nothing gathered)
+    def set_version(self, version: int) -> dict[str, float]:
+        """The worker's word after an update, a load from another pool or a restore: the weights are
+        now ``version``. A rollout engine that keeps its own copy loads them, stamped ``version``,
+        and is checked to compute what this model computes (the engine's ``check_weights``): a push
+        that silently delivered nothing fails the task, named, instead of sampling on old weights.
+        Returns the push's and the check's metrics (none before the engine is built: it starts
+        from these weights, or when it runs this very model: ``hf``)."""
+        self.version = version
+        engine = self._own_copy()
+        if engine is None:
             return {}
-        metrics = dict(self._engine.update_weights(weights, version=version) or {})
-        if hasattr(self._engine, "check_weights"):
-            metrics.update(self._engine.check_weights(self.model))
-        if hasattr(self._engine, "memory_metrics"):
-            metrics.update(self._engine.memory_metrics())
+        metrics = dict(engine.update_weights(self.train_engine.named_weights(), version=version))
+        metrics.update(engine.check_weights(self.model))
+        metrics.update(engine.memory_metrics())
         return metrics
+
+    def _own_copy(self) -> RolloutEngine | None:
+        """The rollout engine when it is built and keeps its own copy of the weights, else None."""
+        if self._engine is None or engine_spec(self.cfg.rollout.engine).shares_model:
+            return None
+        return self._engine
 
     def state_dict(self) -> dict[str, Any]:
         """As :meth:`TrainableRole.state_dict`, plus this rank's own sampling stream (under
         ``rank_local``: the checkpointer gives it back only to the rank that wrote it, so a rank
         new to the pool keeps its fresh stream rather than repeat another rank's samples)."""
         state = super().state_dict()
-        if self._engine is not None and hasattr(self._engine, "rng_state"):
-            rng = self._engine.rng_state()
+        rng = self._engine.rng_state() if self._engine is not None else self._rng
+        if rng is not None:
             state["rank_local"] = {"rollout_rng": base64.b64encode(rng.numpy().tobytes()).decode()}
         return state
 
@@ -302,7 +340,11 @@ class Actor(TrainableRole):
         super().load_state_dict(state)
         rng = (state.get("rank_local") or {}).get("rollout_rng")
         if rng is not None:
-            self.engine.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8))
+            rng = torch.frombuffer(bytearray(base64.b64decode(rng)), dtype=torch.uint8)
+            if self._engine is not None:
+                self._engine.set_rng_state(rng)
+            else:  # the engine takes it when it is built (from the weights just loaded)
+                self._rng = rng
 
 
 @role_kind("critic", config=ModelRoleConfig)
@@ -322,7 +364,7 @@ class RewardModelConfig(BaseModel):
 
 
 @role_kind("reward_model", config=RewardModelConfig)
-class RewardModel:
+class RewardModel(Role):
     """A frozen sequence classifier that scores prompt+response."""
 
     def __init__(self, cfg: RewardModelConfig, ctx: Any) -> None:
@@ -330,4 +372,3 @@ class RewardModel:
                                            device=ctx.device)
         model.requires_grad_(False).eval()
         self.scorer = RewardModelScorer(model)
-        self.version = 0

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from flowrl.graph import Params, StateSpec, operator, role_kind, source
+from flowrl.graph import Params, Role, StateSpec, operator, role_kind, source
 
 
 # ---------------------------------------------------------------- data source
@@ -52,13 +52,12 @@ class PolicyCfg(BaseModel):
 
 
 @role_kind("test_actor", config=PolicyCfg)
-class TestPolicy:
-    """A 'model': one weight vector; the version counts updates."""
+class TestPolicy(Role):
+    """A 'model': one weight vector; its version is the worker's count of updates."""
 
     def __init__(self, cfg: PolicyCfg, ctx=None) -> None:
         self.w = torch.ones(cfg.width)
         self.lr = cfg.lr
-        self.version = 0
 
     def get_weights(self) -> torch.Tensor:
         return self.w.clone()
@@ -179,8 +178,7 @@ def update_actor(actor, batch, p: UpdateParams):
     time.sleep(p.sleep_s)
     step = float(batch["advantages"].mean())
     actor.w = actor.w + actor.lr * step
-    actor.version += 1
-    return {}, {"actor/step": step, "actor/version": actor.version}
+    return {}, {"actor/step": step, "actor/version": actor.version}  # the version it trained from
 
 
 @operator(
@@ -191,7 +189,6 @@ def update_actor(actor, batch, p: UpdateParams):
 def update_critic(critic, batch, p):
     err = float((batch["returns"] - batch["values"]).pow(2).mean())
     critic.w = critic.w - critic.lr * 0.01
-    critic.version += 1
     return {}, {"critic/vf_loss": err}
 
 

@@ -149,7 +149,9 @@ def test_update_weights_and_memory_release(batch):
     target = HFRolloutEngine(other, tok, seed=0).generate(ids, mask, greedy=True, max_new_tokens=6)
     before = engine.generate(ids, mask, greedy=True, max_new_tokens=6)
     assert not torch.equal(before["rollout_log_probs"], target["rollout_log_probs"])
-    engine.update_weights(other.state_dict())
+    with pytest.raises(TypeError, match="version"):  # an engine is told the version, it never counts one
+        engine.update_weights(other.state_dict())
+    assert engine.update_weights(other.state_dict(), version=1) == {}
     after = engine.generate(ids, mask, greedy=True, max_new_tokens=6)
     assert torch.equal(after["responses"], target["responses"])
     engine.release_memory()
@@ -158,7 +160,7 @@ def test_update_weights_and_memory_release(batch):
     engine.resume_memory()
     assert torch.equal(engine.generate(ids, mask, greedy=True, max_new_tokens=6)["responses"], target["responses"])
     with pytest.raises(RuntimeError, match="size mismatch|Missing key|Unexpected key"):
-        engine.update_weights({"lm_head.weight": torch.zeros(3, 3)})
+        engine.update_weights({"lm_head.weight": torch.zeros(3, 3)}, version=2)
 
 
 def test_generate_one_matches_the_batch_path(tiny):

@@ -98,7 +98,7 @@ def test_staleness_zero_never_runs_ahead(backend, tmp_path):
         tl = rt.timeline
     # exactly synchronous: step t generates with the weights of t updates, all 8 samples
     assert [r.data.batch["policy_version"].tolist() for r in results] == [[t] * 8 for t in range(3)]
-    assert [r.metrics["actor/version"] for r in results] == [1, 2, 3]
+    assert [r.metrics["actor/version"] for r in results] == [0, 1, 2]  # the update of step t trains version t
     for t in range(2):
         assert tl.span("generate", t + 1)[0] >= tl.span("update_actor", t)[1]
 

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 
 from flowrl.errors import ConfigError
 from flowrl.data.fields import Field
+from flowrl.graph.role import Role
 from flowrl.graph.spec import OperatorSpec
 
 ENTRY_POINT_GROUP = "flowrl.operators"
@@ -241,14 +242,16 @@ def role_kind(kind: str, *, config: type[BaseModel]):
     """Declare a role kind (``policy``, ``value``...) and the class that implements it.
 
     The class is built as ``factory(config, ctx)`` on each worker of the role's
-    pool. What the runtime calls on it, when present: ``get_weights()`` /
-    ``set_weights(w)`` (weight syncs between pools), ``state_dict(shards=None)`` /
-    ``load_state_dict(state, shards=None, own=True)`` (checkpoints: ``shards`` is
-    a directory for state written by the pool's ranks together, ``own`` says the
-    state is this rank's own rather than rank 0's), and a ``version`` attribute.
+    pool and derives from :class:`~flowrl.graph.role.Role`, the contract the
+    worker calls: weights out and in (syncs between pools), the weight version
+    it is told after each change, held bytes, close; a role with checkpoint
+    state is also :class:`~flowrl.graph.role.Stateful`.
     """
 
     def wrap(factory: Callable[..., Any]) -> Callable[..., Any]:
+        if isinstance(factory, type) and not issubclass(factory, Role):
+            raise TypeError(f"role kind {kind!r}: class {factory.__name__} must derive from flowrl.graph.Role, "
+                            f"the contract the runtime's worker calls")
         REGISTRY.add_role_kind(RoleKind(kind, config, factory, factory.__doc__ or ""))
         return factory
 

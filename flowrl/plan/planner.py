@@ -275,7 +275,8 @@ def _gates(graph: Graph) -> dict[str, tuple[Gate, ...]]:
     for e in graph.state_edges:
         crosses = graph.pool_of(e.src) != graph.pool_of(e.dst)
         out.setdefault(e.dst, []).append(
-            Gate(e.role, e.src, e.dst, e.staleness, graph.nodes[e.dst].role if crosses else None))
+            Gate(e.role, e.src, e.dst, e.staleness, graph.nodes[e.dst].role if crosses else None,
+                 after_update=nx.has_path(graph.dag, e.src, e.dst)))
     return {n: tuple(gs) for n, gs in out.items()}
 
 

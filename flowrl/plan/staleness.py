@@ -9,6 +9,11 @@ version ``t - s`` (version = updates applied). So:
   (a step offset of ``s + 1``; nothing to wait for when that is negative);
 * **minimum version** — a worker refuses to run it on weights older than
   ``t - s`` (:class:`~flowrl.errors.StalenessError`);
+* **planned version** — the version it runs on, exactly: ``t - s`` when the
+  weights come from another pool (its sync loads those), ``t`` on the
+  updater's own pool (every earlier step's update ran before it in the pool's
+  queue), ``t + 1`` there for a task that follows the update within its step;
+  the driver fails the step on any other (:class:`VersionNotPlanned`);
 * **sync** — when the consumer's role lives on another pool, the weights of
   step ``t - 1 - s`` are fetched right behind that update (in the trainer's
   queue) and loaded on every rank of the consumer's pool before the gated task;
@@ -20,13 +25,20 @@ version ``t - s`` (version = updates applied). So:
 Example::
 
     gate = Gate("actor", "update_actor", "generate", staleness=1, sync_role="rollout")
-    gate.update_step(5), gate.min_version(5)       # (3, 4)
+    gate.update_step(5), gate.min_version(5), gate.version(5)       # (3, 4, 4)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
+
+from flowrl.errors import RunError
+
+
+class VersionNotPlanned(RunError):
+    """A task ran on another weight version than the plan has its step use: samples of mixed
+    versions, or a version count that a restart or a resume reset, repeated or skipped."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,7 @@ class Gate:
     dst: str
     staleness: int
     sync_role: str | None = None
+    after_update: bool = False  # the task follows the update within its step (on the updater's pool)
 
     @property
     def offset(self) -> int:
@@ -53,6 +66,17 @@ class Gate:
     def min_version(self, t: int) -> int:
         """The oldest weight version the task of step ``t`` may run with."""
         return max(0, t - self.staleness)
+
+    def version(self, t: int) -> int:
+        """The weight version the task of step ``t`` runs on (see the module docstring)."""
+        if self.sync_role is not None:
+            return self.min_version(t)
+        return t + int(self.after_update)
+
+
+def planned_version(gates: Iterable[Gate], t: int) -> int | None:
+    """The weight version a task of step ``t`` with ``gates`` runs on (None: no state edge gates it)."""
+    return max((g.version(t) for g in gates), default=None)
 
 
 def window(bound: int) -> int:
@@ -124,4 +148,4 @@ class Versions:
                 del d[k]
 
 
-__all__ = ["Gate", "Versions", "keep_from", "window"]
+__all__ = ["Gate", "VersionNotPlanned", "Versions", "keep_from", "planned_version", "window"]

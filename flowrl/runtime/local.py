@@ -84,8 +84,7 @@ class LocalBackend(Backend):
         self.driver_pool.shutdown()
         for w in self.workers.values():  # a rollout engine's processes (vLLM) end with the run, not the process
             for role in {id(r): r for r in w.roles.values()}.values():
-                if hasattr(role, "close"):
-                    role.close()
+                role.close()
 
 
 class _DaemonExecutor:

@@ -6,8 +6,13 @@ whose outputs the task's dispatch mode collects (every rank of a ``split``
 task; rank 0 of an ``all`` task, whose ranks repeat one computation); durations give the step's
 makespan, its lower bounds (critical path, busiest pool) and per-node timings.
 
+Each report carries the weight version its task ran on (the worker's count,
+the version its samples are stamped with): :func:`check_versions` fails the
+step on one the plan did not have that step use.
+
 Example::
 
+    check_versions(plan, infos)
     metrics, makespan, bound = step_metrics(plan, infos, submitted_at=t0)
 """
 
@@ -20,6 +25,7 @@ from flowrl.data import DataProto
 from flowrl.data.metrics import Reduction
 from flowrl.plan.planner import Plan
 from flowrl.plan.simulate import bounds_of, pool_work
+from flowrl.plan.staleness import VersionNotPlanned, planned_version
 from flowrl.runtime.worker import Info
 
 TaskKey = tuple[str, int | None]
@@ -74,6 +80,24 @@ def step_metrics(plan: Plan, infos: list[Info], submitted_at: float) -> tuple[di
     if g.state_edges and versions:
         metrics["scheduler/min_weight_version"] = float(min(versions))
     return metrics, makespan, bound
+
+
+def check_versions(plan: Plan, infos: list[Info]) -> None:
+    """Raise :class:`~flowrl.plan.staleness.VersionNotPlanned` for the first task that ran on another
+    weight version than the plan has its step use (:meth:`~flowrl.plan.staleness.Gate.version`)."""
+    for info in infos:
+        gates = plan.tasks[(info.node, info.mb)].gates
+        planned = planned_version(gates, info.step)
+        if planned is not None and info.version != planned:
+            role = plan.graph.nodes[info.node].role
+            how = ("loaded from the update on another pool" if any(g.sync_role for g in gates)
+                   else "on the updater's own pool")
+            raise VersionNotPlanned(
+                f"node {info.node!r} at step {info.step + 1} ran on weight version {info.version} of role "
+                f"{role!r} on {info.pool}[{info.rank}] (pid {info.pid}), but the plan has it use version "
+                f"{planned} (staleness {max(g.staleness for g in gates)}, {how}): its samples would be "
+                f"stamped with a version their weights do not have, or mix versions; the weight version "
+                f"is the worker's count, restored from a checkpoint on --resume")
 
 
 def pipeline_metrics(plan: Plan, infos: list[Info], last_end: float | None) -> tuple[dict[str, float], float | None]:

@@ -41,7 +41,7 @@ from flowrl.plan.planner import Plan, Task, make_plan
 from flowrl.runtime.reads import fetched, task_input
 from flowrl.provenance.record import collect_records
 from flowrl.recovery.refill import keyed_draw, refill_of, refill_step
-from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
+from flowrl.runtime.reports import StepResult, check_versions, node_states, pipeline_metrics, step_metrics
 from flowrl.recovery.restarts import Restarts, RollbackNeeded, replace_dead
 from flowrl.plan.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
@@ -281,6 +281,7 @@ class Runtime:
                 raise
         if training:
             self.versions.finished(st.step)
+            check_versions(st.plan, infos)
         metrics, makespan, bound = step_metrics(st.plan, infos, st.submitted_at)
         if training:
             extra, self._last_step_end = pipeline_metrics(st.plan, infos, self._last_step_end)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import RowKeys, get_mode
 from flowrl.data.expand import RowCountError, check_rows
-from flowrl.graph import OperatorSpec, Params
+from flowrl.graph import OperatorSpec, Params, Role, Stateful
 from flowrl.graph.config import OnErrorConfig
 from flowrl.store.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
@@ -217,11 +217,16 @@ class Worker:
             ctx = RoleContext(rb.name, self.rank, self.world_size, self._seed, rb.frozen, _device(self._gpus),
                               self.group)
             try:
-                self.roles[rb.name] = rb.factory(rb.config, ctx)
+                obj = rb.factory(rb.config, ctx)
             except Exception as e:
                 raise NodeError(f"<role {rb.name}>", -1, None, self.label,
                                 f"building role {rb.name!r} ({rb.kind}) failed: {type(e).__name__}: {e}",
                                 traceback.format_exc()) from None
+            if not isinstance(obj, Role):
+                raise NodeError(f"<role {rb.name}>", -1, None, self.label,
+                                f"role kind {rb.kind!r} built a {type(obj).__name__}, which is not a "
+                                f"flowrl.graph.Role: derive it from Role, the contract the worker calls")
+            self.roles[rb.name] = obj
             self.owner[rb.name] = rb.name
             self.versions[rb.name] = 0
             self._set_version(rb.name)
@@ -271,10 +276,10 @@ class Worker:
             out = mode.tag(out, tags, call.factor)
             if state is not None:
                 batch.meta_info.pop(entry.op.state.key, None)
-            if entry.op.updates_role:
+            if entry.op.updates_role:  # the worker decides the new version; the role is told it
                 owner = self.owner[entry.role]
                 self.versions[owner] += 1
-                self._set_version(owner)
+                metrics = {**metrics, **self._set_version(owner)}
             if printing:  # after the update moved the version: "after" is the new weights' digest
                 after = self._digest(entry.role) if entry.op.updates_role and used is not None else None
                 prints = task_prints(out, batch, source, entry.role, used, after)
@@ -318,19 +323,15 @@ class Worker:
 
     # ------------------------------------------------------------------ weights
     def get_weights(self, role: str) -> tuple[Any, int]:
-        """The weights of ``role`` and their version."""
-        obj = self.roles[role]
-        weights = obj.get_weights() if hasattr(obj, "get_weights") else obj.state_dict()
-        return weights, self.versions[self.owner[role]]
+        """The weights of ``role`` and their version (what another pool's :meth:`set_weights` loads)."""
+        return self.roles[role].get_weights(), self.versions[self.owner[role]]
 
     def set_weights(self, role: str, payload: tuple[Any, int]) -> Info:
+        """Load ``(weights, version)`` from another pool's :meth:`get_weights` into ``role``: the version
+        they carry becomes this worker's for it, and the role is told it."""
         start = time.time()
         weights, version = payload
-        obj = self.roles[role]
-        if hasattr(obj, "set_weights"):
-            obj.set_weights(weights)
-        else:
-            obj.load_state_dict(weights)
+        self.roles[role].set_weights(weights)
         owner = self.owner[role]
         self.versions[owner] = version
         self._set_version(owner)
@@ -356,20 +357,24 @@ class Worker:
         parts, such as its sampling stream, are not taken)."""
         load_states(shards, self.roles, state["roles"], self.group, self.rank, own)
         self.digests.forget()
+        # the run goes on from the versions it saved: the next update moves each one up by one
         self.versions.update(state["versions"])
         for owner in self.versions:
             self._set_version(owner)
         return len(state["roles"])
 
+    def _owned(self) -> list[str]:
+        """The roles whose objects this worker built (a role sharing another's object is not one)."""
+        return [name for name, owner in self.owner.items() if owner == name]
+
     def _stateful(self) -> list[str]:
         """The roles this worker owns that have a state to checkpoint."""
-        return [name for name, owner in self.owner.items()
-                if owner == name and hasattr(self.roles[name], "state_dict")]
+        return [name for name in self._owned() if isinstance(self.roles[name], Stateful)]
 
     def held_bytes(self) -> dict[str, dict[str, int]]:
-        """Per role that can say: the bytes of parameters and optimizer state this rank holds."""
-        return {name: self.roles[name].held_bytes() for name, owner in self.owner.items()
-                if owner == name and hasattr(self.roles[name], "held_bytes")}
+        """Per role that holds any: the bytes of parameters and optimizer state this rank holds."""
+        held = {name: self.roles[name].held_bytes() for name in self._owned()}
+        return {name: b for name, b in held.items() if b}
 
     def ping(self) -> int:
         return os.getpid()
@@ -379,13 +384,10 @@ class Worker:
         headed by the collective of the pool's group it is inside, if any."""
         return self.group.where() + thread_stacks()
 
-    def _set_version(self, owner: str) -> None:
-        for name, o in self.owner.items():
-            if o == owner:
-                try:
-                    setattr(self.roles[name], "version", self.versions[owner])
-                except AttributeError:
-                    pass
+    def _set_version(self, owner: str) -> dict[str, float]:
+        """Tell ``owner`` the version of the weights it now holds (this worker's count, the only
+        one); the metrics of handing them on (a rollout engine's push) are the task's."""
+        return self.roles[owner].set_version(self.versions[owner])
 
 
 def _device(gpus: float) -> str:

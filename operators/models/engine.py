@@ -36,7 +36,8 @@ import torch
 from flowrl.data.dispatch import TASK_ROWS
 from flowrl.data.metrics import MAX, MEAN, MIN, SUM, Metric, Reduction, mean
 from operators.models.data_parallel import LossNorm, data_parallel_forward, pass_count
-from operators.models.fsdp import fsdp_units, full_state_dict, is_dtensor, shard_model, state_bytes
+from operators.models.fsdp import (fsdp_units, full_state_dict, full_tensor, is_dtensor, local_part, shard_model,
+                                   state_bytes)
 from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
 from operators.models.optim import OptimConfig, build_optimizer, clip_grad_norm
 from operators.models.schedule import update_schedule
@@ -227,8 +228,7 @@ class TrainEngine:
         the embeddings)."""
         with self.group.guard("weights for the rollout engine"):
             for name, tensor in self.model.state_dict(keep_vars=True).items():
-                full = tensor.full_tensor() if is_dtensor(tensor) else tensor
-                yield name, full.detach()
+                yield name, full_tensor(tensor).detach()
 
     def held_bytes(self) -> dict[str, int]:
         """Bytes of parameters and optimizer state on this rank (its shards, when sharded)."""
@@ -284,7 +284,7 @@ class FSDP2Engine(TrainEngine):
             return super().set_weights(weights)
         with torch.no_grad():
             for name, target in self.model.state_dict().items():
-                _local_part(target).copy_(_part_of(target, weights[name]))
+                local_part(target).copy_(_part_of(target, weights[name]))
 
     def _positions(self, batch: Any) -> tuple[torch.Tensor | None, int]:
         if self.group.world_size == 1:
@@ -318,11 +318,6 @@ def _per_step(metrics: dict[str, float]) -> dict[str, float]:
     """A mini-batch's metrics as one value each, to average over mini-batches (maxima and minima
     stay what they are)."""
     return {k: v if isinstance(v, Metric) and v.reduce in (MAX, MIN) else mean(v, 1.0) for k, v in metrics.items()}
-
-
-def _local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's local tensor of a (possibly sharded) tensor."""
-    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def _part_of(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ one leaves the model as it is, so the caller writes one code path.
   gradients are reduced with SUM (the loss carries the global normaliser).
 - :func:`build_sharded`: the same, but only rank 0 ever builds the full model.
 - :func:`full_state_dict`: the full weights, gathered by all ranks, kept on rank 0.
+- :func:`full_tensor`: one tensor whole (a shard gathered by all ranks, on each).
 - :func:`unsharded`: full parameters inside a block (a colocated rollout), sharded after.
 - :func:`state_bytes`: what this rank holds of parameters and optimizer state.
 
@@ -160,6 +161,13 @@ def is_dtensor(tensor: Any) -> bool:
     return module is not None and isinstance(tensor, module.DTensor)
 
 
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: a DTensor shard gathered from every rank (a collective: every rank calls it
+    on the same tensor), any other tensor as it is. The one gather of a single tensor: the weights
+    a rollout engine loads, however they reach it."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
+
+
 def full_state_dict(model: torch.nn.Module, group: Group) -> dict[str, torch.Tensor] | None:
     """The full weights on CPU, on rank 0 (``None`` on the others). A collective: call on every rank.
 
@@ -245,10 +253,15 @@ def state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None 
     return {"params": _bytes(model.parameters()), "optimizer": optim}
 
 
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's own tensor of a (possibly sharded) tensor; no communication."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
+
+
 def _bytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
-        local = t.to_local() if is_dtensor(t) else t
+        local = local_part(t)
         if id(t) in seen:
             continue
         seen.add(id(t))

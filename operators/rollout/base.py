@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -62,7 +62,25 @@ class SamplingParams(BaseModel):
 
 
 class RolloutEngine(abc.ABC):
-    """Generates responses, takes new weights, and gives its memory back between rollouts."""
+    """The contract of a rollout engine, as an actor calls it: generation (batched and per
+    request), new weights in place with the version they carry, a check that it computes what
+    the trainer's model computes, its memory given back and taken again, its sampling stream
+    for a checkpoint, and its own processes stopped.
+
+    **The weight version is given, never counted.** The worker owns the count
+    (:class:`flowrl.graph.Role`); :meth:`update_weights` is told the version of the
+    weights it loads, and an engine keeps nothing of its own that a resume or a restarted
+    worker would have to re-derive. What an engine does not have it need not write:
+    an engine that generates with the actor's own module checks nothing, one without
+    processes stops nothing, one without a generator of its own has no stream to save.
+    """
+
+    #: the agent loop sends it single requests (it batches them itself) rather than batches
+    serves_requests: bool = False
+    #: a vision-language model's engine reads the prompts' images (``generate(..., vision=)``)
+    takes_images: bool = False
+    #: what a sharded actor's gather for the last rollout took and freed (``fsdp.MemoryChange``), if any
+    memory: Any = None
 
     @abc.abstractmethod
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -86,8 +104,16 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Load the policy's new weights (parameter names as in the HF model's ``state_dict``)."""
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                       version: int) -> dict[str, float]:
+        """Load the policy's weights (a state dict, or ``(name, tensor)`` pairs taken one at a time;
+        parameter names as in the HF model's ``state_dict``), which are weight version ``version``
+        (the worker's count). Returns the push's metrics."""
+
+    def check_weights(self, model: torch.nn.Module) -> dict[str, float]:
+        """Raise unless the engine computes what ``model`` (the trainer's) computes; the check's
+        metrics. An engine that generates with the trainer's own module has nothing to check."""
+        return {}
 
     @abc.abstractmethod
     def release_memory(self) -> None:
@@ -96,6 +122,20 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def resume_memory(self) -> None:
         """Take the memory back; the weights are those of the last :meth:`update_weights`."""
+
+    def memory_metrics(self) -> dict[str, float]:
+        """What the engine's memory is after a push (its processes' resident memory, ...); none here."""
+        return {}
+
+    def rng_state(self) -> torch.Tensor | None:
+        """The state of the generator that hands out prompt seeds, for a checkpoint (None: it has none)."""
+        return None
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        """Take back :meth:`rng_state`'s output."""
+
+    def shutdown(self) -> None:
+        """Stop the engine's own processes, if it started any."""
 
     @staticmethod
     def resolve(params: SamplingParams | None, overrides: Mapping[str, Any]) -> SamplingParams:

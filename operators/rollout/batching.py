@@ -139,6 +139,6 @@ class RequestGenerator:
 def make_generator(engine: RolloutEngine, params: SamplingParams, stop_token_ids: set[int],
                    pad_token_id: int) -> BatchingFront | RequestGenerator:
     """The right front for ``engine``: per request when it batches by itself, else :class:`BatchingFront`."""
-    if getattr(engine, "serves_requests", False):
+    if engine.serves_requests:
         return RequestGenerator(engine, params, stop_token_ids)
     return BatchingFront(engine, params, stop_token_ids, pad_token_id)

@@ -39,13 +39,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class EngineSource:
     """What an engine is built from: the actor's model (full parameters on this rank unless
-    ``world_size > 1``), its tokenizer, the model spec it was loaded from, and the sampling seed."""
+    ``world_size > 1``), its tokenizer, the model spec it was loaded from, the sampling seed, and
+    the weight version of the model's weights (the worker's count, as the actor was last told it)."""
 
     model: torch.nn.Module
     tokenizer: Any
     model_path: str
     seed: int
     world_size: int = 1
+    version: int = 0
 
 
 @dataclass(frozen=True)

@@ -230,9 +230,14 @@ class HFRolloutEngine(RolloutEngine):
 
     # --- weights and memory -----------------------------------------------------------------
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                       version: int) -> dict[str, float]:
+        """Load ``weights`` into the model this engine samples from (``version``: the worker's; the
+        actor stamps samples with it, this engine keeps no copy to stamp)."""
         with self._lock:
-            self.model.load_state_dict(dict(state_dict), strict=True)
+            self.model.load_state_dict(dict(weights.items() if isinstance(weights, Mapping) else weights),
+                                       strict=True)
+        return {}
 
     def release_memory(self) -> None:
         """On a GPU, move the weights to host memory; on CPU there is nothing to free."""

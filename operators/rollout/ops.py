@@ -53,7 +53,7 @@ def generate(actor, batch, p: Generate):
     sampling = SamplingParams(n=p.n, max_new_tokens=p.max_new_tokens, temperature=p.temperature,
                               top_p=p.top_p, top_k=p.top_k, greedy=p.greedy)
     images = {} if (vision := vision_inputs(batch)) is None else {"vision": vision}
-    if images and not getattr(actor.engine, "takes_images", False):
+    if images and not actor.engine.takes_images:
         raise ValueError(f"the prompts have images, but the {type(actor.engine).__name__} rollout engine does not "
                          f"take them; use rollout engine 'hf'")
     out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling, seeds=actor.sampling_seeds(batch),
@@ -111,7 +111,7 @@ def _rollout_fits_in_memory(graph):
 
 def unshard_metrics(actor) -> dict[str, float]:
     """The memory a sharded actor's rollout took by gathering its weights, and freed after (MiB)."""
-    memory = getattr(actor.engine, "memory", None)
+    memory = actor.engine.memory
     if memory is None:
         return {}
     return {"rollout/unshard_taken_mb": memory.taken_bytes / 2**20,

@@ -21,7 +21,7 @@ Example (on a GPU machine)::
     >>> out = engine.generate(batch["input_ids"], batch["attention_mask"], n=8,
     ...                       max_new_tokens=512)                              # doctest: +SKIP
     >>> engine.release_memory(); train(); engine.resume_memory()             # doctest: +SKIP
-    >>> engine.update_weights(policy.state_dict())                           # doctest: +SKIP
+    >>> engine.update_weights(policy.state_dict(), version=1)                # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ class SGLangRolloutEngine(RolloutEngine):
         }
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                       version: int | None = None) -> dict[str, float]:
-        """Load the trainer's weights into the running engine (sglang flushes its cache)."""
+                       version: int) -> dict[str, float]:
+        """Load the trainer's weights, version ``version``, into the running engine (sglang flushes its cache)."""
         named = list(state_dict.items() if isinstance(state_dict, Mapping) else state_dict)
         self.engine.update_weights_from_tensor(named_tensors=named, flush_cache=True)
         return {}

@@ -62,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flowrl.errors import RunError
 from flowrl.data.expand import expand_rows
+from operators.models.fsdp import full_tensor
 from operators.rollout.base import (RolloutEngine, SamplingParams, call_seeds, pad_responses, rollout_output,
                                    sample_seeds)
 from operators.rollout.engines import EngineSource, register_rollout_engine
@@ -212,10 +213,7 @@ def weight_buckets(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, tor
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, tensor in (weights.items() if isinstance(weights, Mapping) else weights):
-        tensor = tensor.detach()
-        if hasattr(tensor, "full_tensor"):  # a DTensor shard: this rank's part of a collective gather
-            tensor = tensor.full_tensor()
-        tensor = tensor.cpu().contiguous()
+        tensor = full_tensor(tensor.detach()).cpu().contiguous()  # a shard: this rank's part of a gather
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
             yield bucket
@@ -285,8 +283,8 @@ class VLLMRolloutEngine(RolloutEngine):
 
     Token ids go in and come out (vLLM's tokenizer is not started). ``seed``
     seeds the engine and the generator that hands out prompt seeds to a call
-    that brings none. ``weight_version`` counts pushes (or is what the last
-    :meth:`update_weights` was told).
+    that brings none. ``weight_version`` is what the last :meth:`update_weights`
+    was told (``version`` at the start: the weights of ``model_dir``).
     """
 
     #: the agent loop sends it single requests rather than batching them in front of it
@@ -294,7 +292,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def __init__(self, model_dir: str | Path, *, pad_token_id: int, stop_token_ids: Iterable[int], seed: int = 0,
                  options: VLLMOptions | Mapping[str, Any] | None = None, vocab_size: int | None = None,
-                 weight_names: Iterable[str] | None = None):
+                 weight_names: Iterable[str] | None = None, version: int = 0):
         vllm = _import_vllm()
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -307,7 +305,7 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError("VLLMRolloutEngine needs at least one stop token id")
         config = json.loads((self.model_dir / "config.json").read_text())
         self.vocab_size = int(vocab_size or config["vocab_size"])
-        self.weight_version = 0
+        self.weight_version = int(version)
         #: every name a push must bring (none: not checked); :meth:`update_weights` fails a push without one
         self.weight_names = None if weight_names is None else frozenset(weight_names)
         self._incomplete: list[str] = []  # what the last push left out: no generation until a complete one
@@ -359,8 +357,9 @@ class VLLMRolloutEngine(RolloutEngine):
     def from_model(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                    stop_token_ids: Iterable[int] | None = None, seed: int = 0,
                    options: VLLMOptions | Mapping[str, Any] | None = None,
-                   cache_dir: str | Path | None = None) -> VLLMRolloutEngine:
-        """An engine over ``model``'s current weights (saved under :func:`model_cache_dir`, keyed by them)."""
+                   cache_dir: str | Path | None = None, version: int = 0) -> VLLMRolloutEngine:
+        """An engine over ``model``'s current weights, weight version ``version`` (saved under
+        :func:`model_cache_dir`, keyed by them)."""
         options = options if isinstance(options, VLLMOptions) else VLLMOptions(**(options or {}))
         if options.dtype is None:
             options = options.model_copy(update={"dtype": str(model.dtype).removeprefix("torch.")})
@@ -372,7 +371,7 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ValueError("VLLMRolloutEngine needs a tokenizer with a pad token")
         return cls(save_for_vllm(model, tokenizer, cache_dir), pad_token_id=tokenizer.pad_token_id,
                    stop_token_ids=stop_token_ids, seed=seed, options=options,
-                   vocab_size=model.config.vocab_size, weight_names=model.state_dict().keys())
+                   vocab_size=model.config.vocab_size, weight_names=model.state_dict().keys(), version=version)
 
     def _run(self, coro: Any) -> Any:
         """Run ``coro`` on the engine's loop and wait for it (from any thread but the loop's own)."""
@@ -458,14 +457,15 @@ class VLLMRolloutEngine(RolloutEngine):
 
     # --- weights ----------------------------------------------------------------------------
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                       version: int | None = None, bucket_mb: float | None = None) -> dict[str, float]:
-        """Push ``state_dict`` (HF parameter names) into the running engine; returns push metrics.
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                       version: int, bucket_mb: float | None = None) -> dict[str, float]:
+        """Push ``weights`` (HF parameter names), weight version ``version``, into the running engine;
+        returns push metrics.
 
         Generation pauses (in-flight requests finish first), the weights go in
         buckets of at most ``bucket_mb`` (default ``options.weight_bucket_mb``),
         the prefix cache is reset, and :attr:`weight_version` becomes
-        ``version`` (or goes up by one). Every pushed name must be one the model
+        ``version`` (the worker's count: the engine never counts). Every pushed name must be one the model
         has; compare :meth:`weights_fingerprint` with the trainer's
         (:meth:`check_weights`) to know the engine computes with them.
 
@@ -479,8 +479,8 @@ class VLLMRolloutEngine(RolloutEngine):
         bucket_bytes = int((bucket_mb or self.options.weight_bucket_mb) * 2**20)
         self._check_awake()
         with self._lock:
-            loaded, nbytes, buckets, seconds = self._run(self._push(state_dict, bucket_bytes))
-        self.weight_version = self.weight_version + 1 if version is None else int(version)
+            loaded, nbytes, buckets, seconds = self._run(self._push(weights, bucket_bytes))
+        self.weight_version = int(version)
         self._incomplete = sorted(self.weight_names - set(loaded)) if self.weight_names is not None else []
         if self._incomplete:
             raise WeightSyncError(
@@ -627,4 +627,5 @@ def _build_vllm(source: EngineSource, options: VLLMOptions) -> VLLMRolloutEngine
     if source.world_size > 1:
         raise ValueError("rollout engine 'vllm' with a sharded actor (a pool of more than one worker) is not "
                          "supported yet: give the actor's pool one worker, or use engine 'hf'")
-    return VLLMRolloutEngine.from_model(source.model, source.tokenizer, seed=source.seed, options=options)
+    return VLLMRolloutEngine.from_model(source.model, source.tokenizer, seed=source.seed, options=options,
+                                        version=source.version)
