@@ -112,3 +112,22 @@ def test_errors_scored_as_one_value_for_the_whole_batch_are_caught(tmp_path):
     found, _ = _run(tmp_path, "grpo", 1, {"nodes.reward": {"op": "test.erroring_reward"}})
     (f,) = found[1]
     assert (f["name"], f["node"], f["field"]) == ("constant_on_errors", "reward", "token_level_scores")
+
+
+@pytest.mark.parametrize("graph, pool, role, planned", [("ppo.yaml", "train", "actor", 1),
+                                                         ("async.yaml", "gen", "rollout", 0)])
+def test_a_task_on_weights_of_another_version_than_planned_fails_the_step(graph, pool, role, planned):
+    """A version count that jumped (here a load that carries the wrong version) is named at the next
+    step, whether the weights come from the updater's own pool or are loaded from another one."""
+    from flowrl.plan.staleness import VersionNotPlanned
+    from flowrl.runtime.scheduler import Runtime
+    from tests.test_runtime import BIG, HERE, batches
+
+    with Runtime(load_graph(HERE / "data" / graph), backend="local", resources=BIG) as rt:
+        source = batches(4)
+        rt.run_step(next(source), step=0)
+        weights, version = rt.backend.get(rt.backend.call(pool, 0, "get_weights", role))
+        rt.backend.get(rt.backend.call(pool, 0, "set_weights", role, (weights, planned + 5)))
+        with pytest.raises(VersionNotPlanned, match=rf"at step 2 ran on weight version {planned + 5} of role "
+                                                    rf"'{role}' on {pool}\[0\].*use version {planned} "):
+            rt.run_step(next(source), step=1)

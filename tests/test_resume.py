@@ -36,14 +36,22 @@ def read_metrics(out: Path):
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def sample_versions(out: Path) -> list[set[int]]:
+    """The weight versions the samples of each step carry, from the run's rollout dumps, step by step."""
+    return [{json.loads(x)["weight_version"] for x in path.read_text().splitlines()}
+            for path in sorted((out / "rollouts").iterdir())]
+
+
 def test_resume_is_bit_exact(tmp_path):
     full = train(tmp_path / "full", steps=6)
-    part = train(tmp_path / "part", steps=3)  # "killed" after its step-3 checkpoint
+    part = train(tmp_path / "part", steps=3, **{"trainer.dump_rollouts": True})  # "killed" after its checkpoint
     assert [r["step"] for r in part] == [1, 2, 3]
-    rest = train(tmp_path / "part", steps=6, resume=True)
+    rest = train(tmp_path / "part", steps=6, resume=True, **{"trainer.dump_rollouts": True})
     assert [r["step"] for r in rest] == [4, 5, 6]
     assert values(part + rest) == values(full)  # exact equality, not approximate
     assert values(read_metrics(tmp_path / "part")) == values(full)
+    # the resumed run goes on from the versions it saved: step t samples version t - 1, no repeat, no gap
+    assert sample_versions(tmp_path / "part") == [{v} for v in range(6)]
 
 
 def test_resume_is_bit_exact_with_a_critic_and_reference(tmp_path):
@@ -57,9 +65,11 @@ def test_resume_is_bit_exact_with_a_critic_and_reference(tmp_path):
 
 def test_resume_after_staleness_one_keeps_the_in_flight_weights(tmp_path):
     full = train(tmp_path / "full", steps=6, graph="grpo_async")
-    train(tmp_path / "part", steps=3, graph="grpo_async")
-    train(tmp_path / "part", steps=6, resume=True, graph="grpo_async")
+    train(tmp_path / "part", steps=3, graph="grpo_async", **{"trainer.dump_rollouts": True})
+    train(tmp_path / "part", steps=6, resume=True, graph="grpo_async", **{"trainer.dump_rollouts": True})
     assert values(read_metrics(tmp_path / "part")) == values(full)
+    # one version behind, across the resume too: the weights in flight are loaded with their version
+    assert sample_versions(tmp_path / "part") == [{0}, {0}, {1}, {2}, {3}, {4}]
 
 
 def test_a_checkpoint_of_another_graph_is_refused_naming_the_difference(tmp_path):

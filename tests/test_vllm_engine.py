@@ -83,8 +83,8 @@ def test_greedy_tokens_equal_the_hf_engine_and_then_after_a_weight_push(engine):
 
     new_model, _ = sharp_model(seed=1)
     version = engine.weight_version
-    metrics = engine.update_weights(new_model.state_dict())
-    assert engine.weight_version == version + 1
+    metrics = engine.update_weights(new_model.state_dict(), version=version + 1)
+    assert engine.weight_version == version + 1  # the version it is given: an engine never counts
     assert metrics["rollout/weight_push_buckets"] >= 4  # 2 MiB in 0.5 MiB buckets
     after = engine.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=16))
     assert not torch.equal(after["responses"][:, :4], ours["responses"][:, :4])  # the push changed something
@@ -135,7 +135,7 @@ def test_a_push_that_drops_one_tensor_fails_naming_it_and_the_weight_check_catch
     lost = "model.layers.1.mlp.down_proj.weight"
     sabotaged = {k: v for k, v in new_model.state_dict().items() if k != lost}
     with pytest.raises(WeightSyncError, match=lost):
-        engine.update_weights(sabotaged)
+        engine.update_weights(sabotaged, version=1)
     # vLLM left the lost tensor uninitialised: the engine refuses to sample from it
     ids, mask = left_padded(PROMPTS)
     with pytest.raises(WeightSyncError, match="push the full weights"):
@@ -143,7 +143,7 @@ def test_a_push_that_drops_one_tensor_fails_naming_it_and_the_weight_check_catch
     # the fingerprint check, which reads what the engine computes, catches it on its own
     with pytest.raises(WeightSyncError, match="not computing with the trainer's weights"):
         engine.check_weights(new_model)
-    engine.update_weights(new_model.state_dict())  # a complete push repairs it
+    engine.update_weights(new_model.state_dict(), version=1)  # a complete push repairs it
     engine.check_weights(new_model)
     engine.update_weights(model.state_dict(), version=0)
     engine.check_weights(model)
@@ -200,17 +200,20 @@ def test_an_actor_update_pushes_its_weights_into_the_engine_and_a_lost_tensor_fa
     actor, batch = _actor_on(engine)
     engine.update_weights(actor.model.state_dict(), version=0)  # the engine starts from the actor's weights
     before = {k: v.clone() for k, v in actor.model.state_dict().items()}
-    metrics = actor_ops.update(actor, batch).meta_info["metrics"]
+    actor_ops.update(actor, batch)  # the training engine's part
     assert any(float((v - before[k]).abs().max()) > 1e-4 for k, v in actor.model.state_dict().items())
-    assert metrics["actor/rollout/weight_check_max_diff"] <= 1e-3 and engine.weight_version == 1
+    assert engine.weight_version == 0  # nothing pushed until the worker has counted the update
+    metrics = actor.set_version(1)  # what the worker does after counting it: the push, stamped, checked
+    assert metrics["rollout/weight_check_max_diff"] <= 1e-3 and engine.weight_version == actor.version == 1
     ids, mask = left_padded(PROMPTS)
     assert_same_responses(engine.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=12)),
                           hf_greedy(actor.model, actor.tokenizer, ids, mask, max_new_tokens=12))
     # a push that silently leaves one tensor behind fails the update, naming the check
     full = actor.train_engine.named_weights
     actor.train_engine.named_weights = lambda: ((k, v) for k, v in full() if k != "model.layers.0.mlp.up_proj.weight")
+    actor_ops.update(actor, batch)
     with pytest.raises(WeightSyncError, match="weight check after push"):
-        actor_ops.update(actor, batch)
+        actor.set_version(2)
     model, _ = sharp_model(seed=0)
     engine.update_weights(model.state_dict(), version=0)  # back to the module's weights
 
@@ -253,8 +256,47 @@ def test_a_run_on_vllm_trains_and_its_engine_processes_end_with_it(tmp_path):
                                           "trainer.checkpoint_every": 0})
     rows = Trainer(graph, backend="local", steps=2, out=tmp_path, say=lambda _: None).run()
     assert [r["step"] for r in rows] == [1, 2]
-    assert all(r["actor/rollout/weight_check_max_diff"] <= 1e-3 for r in rows)
-    assert rows[-1]["actor/rollout/engine_rss_mb"] > 50
+    assert all(r["rollout/weight_check_max_diff"] <= 1e-3 for r in rows)
+    assert rows[-1]["rollout/engine_rss_mb"] > 50
     left = [psutil.Process(pid) for pid in engines() - before]
     _, alive = psutil.wait_procs(left, timeout=30)  # vLLM's engine-core and worker processes end
     assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def fault_switch(monkeypatch: pytest.MonkeyPatch, spec: str | None) -> None:
+    """Turn the fault switch on (``spec``) or off for the runs started next: the one place this file
+    knows how the switch is set."""
+    from flowrl.recovery.faults import FAULT_ENV
+
+    if spec is None:
+        monkeypatch.delenv(FAULT_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FAULT_ENV, spec)
+
+
+def test_weight_versions_go_on_across_a_killed_vllm_worker_and_a_resume(ray_session, tmp_path, monkeypatch):
+    """grpo_async on vLLM, on Ray: the rollout worker is killed at step 3 and replaced (its new engine
+    starts from the weights its sync loads, with their version), then the run is resumed from its
+    step-4 checkpoint. The samples of step t carry version t - 1 throughout: no repeat, no gap."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed here")
+    from flowrl.graph import load_graph
+    from flowrl.run.trainer import Trainer
+    from tests.test_resume import sample_versions
+
+    sets = {"roles.actor.rollout.engine": "vllm", "roles.actor.rollout.engine_kwargs.kv_cache_mib": 64,
+            "data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4,
+            "trainer.val_every": 0, "trainer.checkpoint_every": 2, "trainer.dump_rollouts": True,
+            "pools.gen.max_restarts": 1}
+
+    def run(steps: int, resume: bool = False) -> list[dict]:
+        graph = load_graph("grpo_async", overrides=sets)
+        return Trainer(graph, backend="ray", steps=steps, out=tmp_path, resume=resume, say=lambda _: None).run()
+
+    fault_switch(monkeypatch, "node=generate,step=3,kind=kill")
+    first = run(4)
+    assert [r.get("faults/restarts", 0) for r in first] == [0, 0, 1, 0]
+    fault_switch(monkeypatch, None)
+    rest = run(6, resume=True)
+    assert [r["step"] for r in rest] == [5, 6]
+    assert sample_versions(tmp_path) == [{0}, {0}, {1}, {2}, {3}, {4}]

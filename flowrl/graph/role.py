@@ -9,6 +9,7 @@ the methods of :class:`Role`, which every role kind derives from:
 ``set_weights(weights)``      load another pool's :meth:`~Role.get_weights`
 ``set_version(version)``      the worker's word on the weights the role now holds (see below)
 ``held_bytes()``              bytes of parameters and optimizer state this rank holds
+``weights_for_digest()``      this rank's weights for the run's fingerprints (no collective)
 ``close()``                   stop what the role started (a rollout engine's processes)
 ============================  ===============================================================
 
@@ -57,6 +58,11 @@ class Role:
         """Load another pool's :meth:`get_weights` (the worker then calls :meth:`set_version`)."""
         raise NotImplementedError(f"role {type(self).__name__} cannot load weights from another pool: "
                                   f"implement get_weights and set_weights")
+
+    def weights_for_digest(self) -> Any:
+        """``(name, tensor)`` pairs of this rank's weights (no collective), for the runtime's weight
+        fingerprints; None: nothing to digest."""
+        return None
 
     def set_version(self, version: int) -> dict[str, float]:
         """The weights this role holds are now ``version`` (decided by the worker, never by the role):

@@ -39,7 +39,7 @@ import torch
 from flowrl.data import DataProto
 from flowrl.data.dispatch import ROW_INDEX, task_rows
 from flowrl.data.metrics import measured
-from flowrl.graph import Graph
+from flowrl.graph import Graph, Role
 from flowrl.provenance.digest import WeightsDigester, combine_digests, mixed_rows, mixed_rows_of, weights_digest
 from flowrl.provenance.invariants import Invariants
 from flowrl.provenance.rundiff import FILE, FORMAT, ROW_HEX, SOURCE, format_of, row_digests
@@ -129,13 +129,13 @@ def fields_print(columns: Iterable[tuple[str, Any]], mask: torch.Tensor | None =
     return out
 
 
-def role_weights(role_obj: Any, digest: Callable[[Any], str | None] = weights_digest) -> str | None:
+def role_weights(role_obj: Role, digest: Callable[[Any], str | None] = weights_digest) -> str | None:
     """The digest of a role's weights, when the role can say (``weights_for_digest``: this rank's
     tensors, no collective). A rollout engine's own copy (vLLM, sglang) is not digested: the
     actor checks it against the model after every push. ``digest``: :func:`weights_digest` or a
     :class:`~flowrl.provenance.digest.WeightsDigester` kept for the role."""
-    fn = getattr(role_obj, "weights_for_digest", None)
-    return digest(fn()) if fn is not None else None
+    tensors = role_obj.weights_for_digest()
+    return digest(tensors) if tensors is not None else None
 
 
 def source_prints(batch: DataProto, names: Iterable[str]) -> dict[str, Any]:
