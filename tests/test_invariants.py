@@ -13,6 +13,7 @@ from flowrl.errors import NodeError
 from flowrl.provenance.invariants import InvariantError
 from flowrl.provenance.rundiff import read_prints
 from flowrl.run.trainer import Trainer
+from operators.models.engine import TrainEngine
 from operators.roles import TrainableRole
 from rich.console import Console
 from visualizer.live import LiveView
@@ -69,7 +70,7 @@ def test_a_nan_injected_in_one_operator_is_named_with_node_field_step_and_row(tm
 
 
 def test_an_update_that_never_reached_the_model_is_caught(tmp_path, monkeypatch):
-    monkeypatch.setattr(TrainableRole, "fit", lambda self, batch, loss_fn, **kw: {})
+    monkeypatch.setattr(TrainEngine, "train_batch", lambda self, batch, loss_fn, **kw: {})
     view = LiveView(load_graph("grpo"), total_steps=2, console=Console(file=io.StringIO(), width=120))
     found, said = _run(tmp_path, "grpo", 2, view=view)
     assert [(f["name"], f["node"]) for f in found[1]] == [("weights_unchanged", "update_actor")]

@@ -303,3 +303,16 @@ def test_backends_are_registered_by_name():
     with pytest.raises(ValueError) as exc:
         make_backend("slurm")
     assert "unknown backend 'slurm'" in str(exc.value) and "local, ray" in str(exc.value)
+
+
+def test_a_role_kind_declares_the_role_contract_or_is_refused_when_declared():
+    from flowrl.graph import Role, role_kind
+
+    with pytest.raises(TypeError, match="'test_duck': class Duck must derive from flowrl.graph.Role"):
+        @role_kind("test_duck", config=ops.PolicyCfg)
+        class Duck:  # what the worker used to probe with hasattr
+            def get_weights(self):
+                return None
+    policy = ops.TestPolicy(ops.PolicyCfg())
+    assert isinstance(policy, Role) and policy.set_version(3) == {} and policy.version == 3
+    assert policy.held_bytes() == {} and policy.weights_for_digest() is None
