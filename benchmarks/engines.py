@@ -72,7 +72,7 @@ def default_job_steps(engine: str, steps: int, overrides: dict) -> list[str]:
         return f"{values[len(values) // 2]:.3f}" if values else "-"
 
     return [engine, str(len(rows)), median("timing/step"), median("timing/generate"), median("timing/update_actor"),
-            median("actor/rollout/weight_push_s")]
+            median("rollout/weight_push_s")]
 
 
 def main() -> None:

@@ -84,7 +84,7 @@ def engine_gap(history: list[dict]) -> dict:
     return {"gap_mean": statistics.fmean(r[GAP + "log_prob_abs_diff"] for r in rows),
             "gap_max": most(GAP + "log_prob_diff_max"), "outside_max": most(GAP + "frac_outside_threshold"),
             "is_weight_max": most(GAP + "is_weight_max"), "rejected_max": most(GAP + "rs_masked_fraction"),
-            "check_max": most("actor/rollout/weight_check_max_diff"), "gap_steps": len(rows)}
+            "check_max": most("rollout/weight_check_max_diff"), "gap_steps": len(rows)}
 
 
 def summary(values: list[float]) -> str:
