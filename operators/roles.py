@@ -37,7 +37,7 @@ class RolloutConfig(BaseModel):
     """Which engine generates (``operators.rollout.engines``): ``hf`` (transformers, CPU or GPU),
     ``sglang`` (GPU) or ``vllm`` (vLLM, CPU or GPU); ``engine_kwargs`` are checked against its options."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     engine: str = "hf"
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="the engine's options: vllm's "
                                           "VLLMOptions, sglang.Engine's keyword arguments")
@@ -73,7 +73,7 @@ ModelPath = Annotated[str, AfterValidator(check_model_path)]
 
 
 class ModelRoleConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: ModelPath = Field("builtin:tiny", description="'builtin:tiny' or a local Hugging Face directory")
     dtype: Literal["float32", "bfloat16", "bf16", "fp32"] = "float32"
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
@@ -316,7 +316,7 @@ class Critic(TrainableRole):
 
 
 class RewardModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: ModelPath = Field(..., description="a local sequence-classification model directory (or builtin:tiny)")
     dtype: Literal["float32", "bfloat16", "bf16", "fp32"] = "float32"
 

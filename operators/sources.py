@@ -49,7 +49,7 @@ PROMPT_FIELDS = {
 
 
 class PromptSourceConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     source: str
     batch_size: int = Field(16, ge=1)
     tokenizer: str | None = Field(None, description="default: the model of the first role that has one")

@@ -362,3 +362,31 @@ def test_a_role_without_a_kind_is_an_error(tmp_path):
     errs = problems_of(tmp_path, data, RoleError)
     assert any("role 'policy' has no kind" in str(e) and "add kind: <one of" in str(e) and "test_actor" in str(e)
                for e in errs)
+
+
+def real_ppo() -> dict:
+    """The built-in PPO graph (real roles and operators) as a dict."""
+    return yaml.safe_load((HERE.parent / "graphs" / "ppo.yaml").read_text())
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_number_is_refused_where_it_is_given(tmp_path, value):
+    data = real_ppo()
+    data["roles"]["actor"]["optim"]["lr"] = value
+    (err,) = problems_of(tmp_path, data, ParameterError)
+    assert "'optim.lr'" in str(err) and "finite number" in err.fix
+    data = real_ppo()
+    data["nodes"]["update_actor"]["clip_ratio"] = value
+    (err,) = problems_of(tmp_path, data, ParameterError)
+    assert err.node == "update_actor" and "finite number" in err.fix
+
+
+def test_a_fix_says_what_the_value_must_be_or_the_key_meant(tmp_path):
+    data = real_ppo()
+    data["roles"]["actor"]["optim"]["lr"] = -1.0
+    (err,) = problems_of(tmp_path, data, ParameterError)
+    assert err.fix == "change 'optim.lr': input should be greater than 0"  # no list of unrelated keys
+    data = real_ppo()
+    data["nodes"]["update_actor"]["clip_ration"] = 0.2
+    (err,) = problems_of(tmp_path, data, ParameterError)
+    assert err.fix.startswith("did you mean 'clip_ratio'?")

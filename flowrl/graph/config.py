@@ -30,14 +30,14 @@ NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost", "o
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
 
 class RoleConfig(BaseModel):
     """A role: ``kind`` (default inferred), ``from``/``frozen`` to derive one role from
     another, and the kind's own settings (``model``, ``optim``...) as extra keys."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
     kind: str | None = None
     from_: str | None = Field(None, alias="from")
@@ -78,7 +78,7 @@ class DataConfig(BaseModel):
     """The prompt source: ``source`` (``builtin:<task>`` or a parquet/jsonl path),
     ``batch_size`` prompts per step, and the source's own options as extra keys."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     source: str
     batch_size: int = Field(16, ge=1)
@@ -174,7 +174,7 @@ class NodeConfig(BaseModel):
     ``role``, field renames, explicit ``after`` dependencies, a ``timeout_s``,
     an ``on_error`` policy, and the operator's parameters as the remaining keys."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     op: str
     role: str | None = None

@@ -22,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -168,7 +170,7 @@ class Graph:
             for err in e.errors():
                 self.problems.append(BuildProblem(
                     "parameter", f"data: {_pydantic_msg(err)}", path=("data", *err["loc"]),
-                    fix=_param_fix(spec.config),
+                    fix=_param_fix(spec.config, err),
                 ))
             return
         self.source_fields = spec.fields(cfg)
@@ -201,7 +203,7 @@ class Graph:
                 for err in e.errors():
                     self.problems.append(BuildProblem(
                         "role_settings", f"role {name!r}: {_pydantic_msg(err)}",
-                        path=("roles", name, *err["loc"]), fix=_param_fix(REGISTRY.roles[kind].config),
+                        path=("roles", name, *err["loc"]), fix=_param_fix(REGISTRY.roles[kind].config, err),
                     ))
 
     def _role_kind(self, name: str, roles: dict[str, RoleConfig], seen: set[str]) -> str | None:
@@ -247,7 +249,7 @@ class Graph:
                 self.problems.append(BuildProblem(
                     "parameter", f"operator {op.name!r}: {_pydantic_msg(err)}", node=name,
                     field=str(err["loc"][0]) if err["loc"] else None,
-                    path=("nodes", name, *err["loc"]), fix=_param_fix(op.params),
+                    path=("nodes", name, *err["loc"]), fix=_param_fix(op.params, err),
                 ))
         node.role = cfg.role if cfg.role is not None else op.role
         for what, declared, renames in (("input", op.inputs, cfg.inputs), ("output", op.outputs, cfg.outputs)):
@@ -425,6 +427,27 @@ def _pydantic_msg(err: dict[str, Any]) -> str:
     return f"parameter {loc!r}: {err['msg']} (got {got!r})" if loc else f"{err['msg']} (got {got!r})"
 
 
-def _param_fix(model: type) -> str:
-    names = list(getattr(model, "model_fields", {}))
-    return f"valid parameters: {', '.join(names)}" if names else "it takes no parameters"
+def _param_fix(model: type, err: dict[str, Any]) -> str:
+    """What to do about one pydantic error of ``model``: for an unknown key, the closest valid one
+    and the keys valid at that level; otherwise what the value must be."""
+    loc = [str(x) for x in err["loc"]]
+    if err["type"] == "extra_forbidden":
+        names = _field_names(model, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], names, n=1) if loc else []
+        listed = f"valid parameters: {', '.join(names)}" if names else "it takes no parameters"
+        return f"did you mean {close[0]!r}? {listed}" if close else listed
+    where = ".".join(loc) or "the value"
+    if err["type"] == "missing":
+        return f"set {where!r}"
+    return f"change {where!r}: {err['msg'][:1].lower()}{err['msg'][1:]}"
+
+
+def _field_names(model: type, path: list[str]) -> list[str]:
+    """The field names of ``model``'s nested model at ``path`` (its own where the path leaves models)."""
+    for key in path:
+        field = getattr(model, "model_fields", {}).get(key)
+        inner = field.annotation if field is not None else None
+        if not (isinstance(inner, type) and hasattr(inner, "model_fields")):
+            break
+        model = inner
+    return list(getattr(model, "model_fields", {}))

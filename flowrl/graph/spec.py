@@ -38,7 +38,7 @@ SCOPES: tuple[str, ...] = ("row", "group", "batch")
 class Params(BaseModel):
     """Base class of operator parameters: typed, defaulted, no unknown keys."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True, arbitrary_types_allowed=True)
 
 
 class NoParams(Params):

@@ -91,7 +91,7 @@ class VLLMOptions(BaseModel):
         True
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     dtype: Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] | None = Field(
         None, description="the engine's dtype; none: the model's")
