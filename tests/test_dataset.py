@@ -190,3 +190,15 @@ def test_padding_helpers():
     assert mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 1, 2], [0, 0, 0, 0]]
     assert position_ids_from_mask(torch.tensor([[0, 1, 1, 0, 0]])).tolist() == [[0, 0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("line, says", [(b'{"a": "\xe9t\xe9"}', "line 2 is not UTF-8 text (byte 0xe9 at column 8)"),
+                                        (b"[1, 2]", "line 2 is a JSON list, not an object of columns"),
+                                        (b"[" * 100_000, "line 2 cannot be read as JSON (RecursionError)"),
+                                        (b'{"a": ', "line 2 is not valid JSON")])
+def test_a_bad_jsonl_line_is_named(tmp_path, line, says):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b"\n" + line + b"\n")
+    with pytest.raises(DatasetError) as err:
+        read_rows(path)
+    assert str(path) in str(err.value) and says in str(err.value)

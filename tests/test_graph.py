@@ -390,3 +390,10 @@ def test_a_fix_says_what_the_value_must_be_or_the_key_meant(tmp_path):
     data["nodes"]["update_actor"]["clip_ration"] = 0.2
     (err,) = problems_of(tmp_path, data, ParameterError)
     assert err.fix.startswith("did you mean 'clip_ratio'?")
+
+
+def test_a_local_folder_does_not_hide_a_built_in_graph(tmp_path, monkeypatch):
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "ppo").write_text("not a graph")
+    monkeypatch.chdir(tmp_path)
+    assert load_graph("grpo").name == "grpo" and load_graph("ppo").name == "ppo"

@@ -156,6 +156,13 @@ def case_dataset_without_reward_model(tmp: Path) -> list[str]:
     return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
 
 
+def case_dataset_with_a_byte_that_is_not_utf8(tmp: Path) -> list[str]:
+    good = json.dumps({"prompt": [{"role": "user", "content": "copy 1 2 ="}], "data_source": "x",
+                       "reward_model": {"ground_truth": "1 2"}})
+    (tmp / "d.jsonl").write_bytes(good.encode() + b"\n" + good.encode().replace(b"copy", b"c\xffpy") + b"\n")
+    return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
 def case_zero_row_dataset(tmp: Path) -> list[str]:
     (tmp / "d.jsonl").write_text("")
     return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
@@ -240,6 +247,7 @@ CATALOGUE = [
     (case_misspelled_reward_fn, 1, ["node 'reward', field 'fn'", "unknown reward function 'arithh'"]),
     (case_dataset_without_reward_model, 1, ["missing required column 'reward_model'"]),
     (case_zero_row_dataset, 1, ["the file has no rows"]),
+    (case_dataset_with_a_byte_that_is_not_utf8, 1, ["line 2 is not UTF-8 text (byte 0xff at column", "save the file as UTF-8"]),
     (case_model_dir_without_config, 1, ["(no config.json)"]),
     (case_top_k_out_of_range, 1, ["field 'top_k'", "greater than or equal to -1"]),
     (case_kl_loss_without_reference, 1, ["use_kl_loss: true needs 'ref_log_prob'"]),

@@ -56,7 +56,7 @@ def load_graph(ref: str | Path, overrides: dict[str, Any] | None = None) -> Grap
         return load_yaml(path, overrides)
     if path.suffix == ".py" or (":" in ref_s and not path.exists()):
         return load_python(ref_s, overrides)
-    if not path.exists() and ref_s in builtin_graphs():
+    if ref_s in builtin_graphs():  # a bare name: a local folder or file called "grpo" is no graph file
         return load_yaml(builtin_graphs()[ref_s], overrides)
     names = ", ".join(builtin_graphs()) or "(none found)"
     raise GraphError([SchemaError(
