@@ -61,6 +61,11 @@ class VizFormat(str, Enum):
 parse_overrides = cli_debug.parse_overrides  # flowrl replay takes --set too
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 pool``, ``2 pools``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _print_problems(problems: list[GraphProblem], warnings: list[GraphProblem]) -> None:
     for p in problems:
         err_console.print(f"[bold red]error[/] [red]\\[{p.title}][/] {_escape(str(p))}")
@@ -117,8 +122,8 @@ def validate(
         err_console.print(f"[bold red]{g.name}: {n} error{'s' if n != 1 else ''}[/]")
         raise typer.Exit(1)
     console.print(
-        f"[bold green]ok[/] {g.name}: {len(g.nodes)} nodes, {g.dag.number_of_edges()} edges, "
-        f"{len(g.config.pools)} pools, {len(report.warnings)} warning(s)"
+        f"[bold green]ok[/] {g.name}: {_count(len(g.nodes), 'node')}, {_count(g.dag.number_of_edges(), 'edge')}, "
+        f"{_count(len(g.config.pools), 'pool')}, {_count(len(report.warnings), 'warning')}"
     )
 
 

@@ -16,6 +16,7 @@ from flowrl.graph import (
     FieldTypeError,
     GraphBuilder,
     GraphError,
+    GraphImportError,
     GraphSyntaxError,
     MissingProducerError,
     ParameterError,
@@ -397,3 +398,13 @@ def test_a_local_folder_does_not_hide_a_built_in_graph(tmp_path, monkeypatch):
     (tmp_path / "ppo").write_text("not a graph")
     monkeypatch.chdir(tmp_path)
     assert load_graph("grpo").name == "grpo" and load_graph("ppo").name == "ppo"
+
+
+def test_a_module_that_does_not_import_is_an_import_problem(tmp_path):
+    data = yaml.safe_load((HERE.parent / "graphs" / "grpo.yaml").read_text())
+    data["imports"] = ["no_such_module_here"]
+    (err,) = load_graph(write(tmp_path, data)).check().errors
+    assert isinstance(err, GraphImportError) and err.title == "import"
+    with pytest.raises(GraphError) as raised:
+        load_graph("no_such_module_here:graph")
+    assert [type(p) for p in raised.value.problems] == [GraphImportError]

@@ -24,6 +24,7 @@ from flowrl.graph.problems import (
     DuplicateProducerError,
     FieldTypeError,
     GraphError,
+    GraphImportError,
     GraphProblem,
     GraphSyntaxError,
     MissingProducerError,
@@ -46,7 +47,7 @@ from flowrl.graph.trace import GraphBuilder, TracedBatch, graph
 
 __all__ = [
     "CycleError", "DataSourceError", "DuplicateProducerError", "FieldTypeError", "Graph", "GraphBuilder",
-    "GraphConfig", "GraphError", "GraphProblem", "GraphSyntaxError", "MissingProducerError", "Node",
+    "GraphConfig", "GraphError", "GraphImportError", "GraphProblem", "GraphSyntaxError", "MissingProducerError", "Node",
     "NoParams", "OperatorOutputError", "OperatorSpec", "ParameterError", "Params", "PoolError", "REGISTRY",
     "Report", "ResourceError", "RoleError", "RoleWithoutPoolError", "SOURCE", "SchemaError", "StateEdge", "StateSpec",
     "TracedBatch", "UnknownOperatorError", "UnusedOutputWarning", "builtin_graphs", "check", "graph",

@@ -27,6 +27,7 @@ from flowrl.graph.problems import (
     CycleError,
     DataSourceError,
     DuplicateProducerError,
+    GraphImportError,
     FieldTypeError,
     GraphError,
     GraphProblem,
@@ -78,7 +79,7 @@ class Report:
 _BUILD_KINDS: dict[str, type[GraphProblem]] = {
     "unknown_operator": UnknownOperatorError,
     "parameter": ParameterError,
-    "import": SchemaError,
+    "import": GraphImportError,
     "source": DataSourceError,
     "role_kind": RoleError,
     "role_settings": ParameterError,

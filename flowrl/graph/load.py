@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from flowrl.graph.config import GraphConfig, PoolConfig, ScheduleConfig, TrainerConfig
 from flowrl.graph.ir import Graph
-from flowrl.graph.problems import GraphError, GraphProblem, GraphSyntaxError, Location, SchemaError
+from flowrl.graph.problems import GraphError, GraphImportError, GraphProblem, GraphSyntaxError, Location, SchemaError
 from flowrl.graph.registry import ImportPathError, load_module
 
 
@@ -231,7 +231,7 @@ def load_python(ref: str, overrides: dict[str, Any] | None = None) -> Graph:
         _importable_beside(mod_ref)
         module = load_module(mod_ref)
     except ImportPathError as e:
-        raise GraphError([GraphSyntaxError(str(e), location=Location(mod_ref))]) from None
+        raise GraphError([GraphImportError(str(e), location=Location(mod_ref))]) from None
     except SyntaxError as e:
         raise GraphError([GraphSyntaxError(f"Python syntax error: {e.msg}",
                                            location=Location(e.filename, e.lineno))]) from None
