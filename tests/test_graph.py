@@ -408,3 +408,14 @@ def test_a_module_that_does_not_import_is_an_import_problem(tmp_path):
     with pytest.raises(GraphError) as raised:
         load_graph("no_such_module_here:graph")
     assert [type(p) for p in raised.value.problems] == [GraphImportError]
+
+
+def test_an_edge_names_each_field_once():
+    from flowrl.graph import builtin_graphs
+
+    for name in builtin_graphs():
+        g = load_graph(name)
+        for u, v, data in g.dag.edges(data=True):
+            assert len(data["fields"]) == len(set(data["fields"])), (name, u, v)
+    fields = load_graph("grpo").dag.edges["generate", "update_actor"]["fields"]
+    assert fields.count("rollout_log_probs") == 1  # read as old_log_probs and as itself

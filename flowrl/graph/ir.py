@@ -284,7 +284,7 @@ class Graph:
     def _add_edge(self, src: str, dst: str, field_name: str | None, kind: str) -> None:
         if self.dag.has_edge(src, dst):
             data = self.dag.edges[src, dst]
-            if field_name:
+            if field_name and field_name not in data["fields"]:  # read under two names, carried once
                 data["fields"].append(field_name)
             if kind == "data":
                 data["kind"] = "data"
