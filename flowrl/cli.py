@@ -320,7 +320,9 @@ def export(
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint."""
     from flowrl.store.checkpoint import CheckpointError, CheckpointStore
     from operators.models.export import ExportError, export_hf, role_head
+    from operators.models.hf import hf
 
+    hf("utils").logging.disable_progress_bar()  # transformers' "Writing model shards" bars: one line says it
     try:
         state, meta, where = CheckpointStore(Path(run_dir) / "checkpoints").read_role(role, step)
         path = export_hf(state["model"], meta["graph"], out_dir, role=role, where=where)

@@ -132,6 +132,7 @@ def test_export_generates_with_transformers_from_a_plain_prompt_as_flowrl_does(t
     train(tmp_path / "run", steps=2)
     result = CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(tmp_path / "hf")])
     assert result.exit_code == 0, result.output
+    assert "\r" not in result.output + result.stderr  # no progress bars redrawn in a log
 
     # flowrl: the actor as the run left it, loaded through the checkpointer, prompted as in training
     store = CheckpointStore(tmp_path / "run" / "checkpoints")
