@@ -317,7 +317,7 @@ def export(
     from operators.models.export import ExportError, export_hf, role_head
 
     try:
-        state, meta, where = CheckpointStore(Path(run_dir) / "checkpoints").read_role(role, step)
+        state, meta, where = CheckpointStore.of_run(run_dir).read_role(role, step)
         path = export_hf(state["model"], meta["graph"], out_dir, role=role, where=where)
     except (CheckpointError, ExportError, OSError, ValueError) as e:
         err_console.print(f"[bold red]error[/] {_escape(str(e))}")

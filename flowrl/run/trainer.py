@@ -93,7 +93,7 @@ class Trainer:
         # the fields the graph's operators declare worth dumping (dumped=...)
         producers = graph.producers()
         fetch = [f for f in graph.dumped_fields() if f in producers] if cfg.trainer.dump_rollouts else []
-        self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
+        self.store = CheckpointStore.of_run(self.out, keep=cfg.trainer.keep_checkpoints)
         # the plan carries the validation run when trainer.val_every asks (the check refused a graph
         # that scores nothing)
         #: what worker processes print, and the traceback of a failure (:mod:`flowrl.store.runlog`)
