@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from flowrl.errors import PlacementError
+from flowrl.graph.timeouts import RAY_REACH_S
 from flowrl.runtime.startup import Span
 from flowrl.plan.traits import RAY
 
@@ -141,7 +142,7 @@ def _init_ray(explicit: str | None) -> bool:
     return True
 
 
-def _reachable(address: str, origin: str, timeout_s: float = 5.0) -> None:
+def _reachable(address: str, origin: str, timeout_s: float = RAY_REACH_S) -> None:
     """Fail fast, naming ``origin``, when a ``host:port`` cluster address does not answer (Ray would retry
     for minutes)."""
     import socket
