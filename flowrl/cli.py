@@ -200,8 +200,8 @@ def _plan(g, backend: str, label: str = ""):
 
 
 def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
-    """Median ``timing/<node>`` per node over a run's metrics.jsonl."""
-    import statistics
+    """Each node's measured seconds per step over a run's metrics.jsonl (:func:`~flowrl.plan.costfit.node_seconds`)."""
+    from flowrl.plan.costfit import node_seconds
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
@@ -217,8 +217,7 @@ def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
     except MetricsFileError as e:
         err_console.print(f"[bold red]error[/] --measured: {_escape(str(e))}")
         raise typer.Exit(1) from None
-    costs = {n: statistics.median(r[f"timing/{n}"] for r in rows if f"timing/{n}" in r)
-             for n in nodes if any(f"timing/{n}" in r for r in rows)}
+    costs = node_seconds(rows, nodes)
     missing = [n for n in nodes if n not in costs]
     if missing:
         err_console.print(f"[yellow]warning[/] no measured time for {', '.join(missing)}; using declared costs")

@@ -32,9 +32,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flowrl.data.metrics import step_seconds
 from flowrl.graph import Graph, GraphError, load_graph
-from flowrl.plan.costfit import (calibrate_overheads, cores_for, fit_line, median_or_zero, metric_samples,
-                                    node_samples, residuals, step_intervals, world_factors)
+from flowrl.plan.costfit import (calibrated, cores_for, fit_line, median_or_zero, metric_samples, node_samples,
+                                    residuals, step_intervals, world_factors)
 from flowrl.plan.costs import (COST_FILE, GIB, WARMUP, CostFile, CostFileError, NodeCost, Record, RoleMemory,
                                   Transfer, graph_key, load_costs, records_of, save_costs, task_records)
 from flowrl.errors import ConfigError, RuntimeFailure
@@ -119,7 +120,7 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
 
     def interval(records: list[Record], rows: list[dict[str, Any]]) -> float:
         return median_or_zero(step_intervals(records)) if records else median_or_zero(
-            [r.get("timing/interval", r.get("timing/step", 0.0)) for r in rows[WARMUP:]])
+            [step_seconds(r) or 0.0 for r in rows[WARMUP:]])
 
     first, last = interval(*runs[0][1:]), interval(*runs[-1][1:])
     ratio = last / first if drift and len(runs) > 1 and first > 0 and last > 0 else 1.0
@@ -159,8 +160,7 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
                                     "cpus": cpus, "steps": max((len(rows) for *_, rows in runs), default=0),
                                     "drift": ratio})
     measured = [(plan, interval(records, rows) / slow[i]) for i, (plan, records, rows) in enumerate(runs)]
-    latency, overhead = calibrate_overheads(measured, costs, cores_for(runs[0][0], cpus))
-    return costs.model_copy(update={"task_latency_s": latency, "step_overhead_s": overhead})
+    return calibrated(costs, measured, cores_for(runs[0][0], cpus))
 
 
 def fit_report(costs: CostFile) -> list[str]:
