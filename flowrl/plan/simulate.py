@@ -109,8 +109,7 @@ class _Steps:
         self.threads_share = threads_share
         self.work = {(s, k): max(0.0, seconds.get(k, plan.tasks[k].cost)) for s in range(steps) for k in plan.order}
         self.updates = {t.updates: key for key, t in plan.tasks.items() if t.updates is not None}
-        bound = max((g.staleness for t in plan.tasks.values() for g in t.gates), default=0)
-        self.window = window(bound)
+        self.window = window(plan.staleness_bound)
         self.queues: dict[str, list[Any]] = {}
         for s in range(steps):
             for key in plan.order:
@@ -196,8 +195,7 @@ def seconds_per_step(plan: Plan, seconds: dict[tuple[str, int | None], float], s
     interval between step ends once the first step has filled the pipeline, over ``steps`` steps that
     have steps after them (the last steps of a run end sooner: nothing of the next step shares their time)."""
     steps = max(3, steps)
-    bound = max((g.staleness for t in plan.tasks.values() for g in t.gates), default=0)
-    ends = simulate_steps(plan, seconds, steps + window(bound), cpus, step_overhead)
+    ends = simulate_steps(plan, seconds, steps + window(plan.staleness_bound), cpus, step_overhead)
     return (ends[steps - 1] - ends[1]) / (steps - 2), ends[0]
 
 
