@@ -57,7 +57,7 @@ def simulate(plan: Plan, costs: dict[str, float] | None = None) -> Simulation:
     (:func:`spread`); nodes without one take their declared cost.
     """
     seconds = spread(plan, costs) if costs is not None else {}
-    # measured seconds hold what sharing the driver's core cost already: its threads are not slowed again
+    # the driver's threads too run as if alone: timing/<node> measured them sharing its core already
     sim = _Steps(plan, seconds, steps=1, cpus=None, overhead=0.0, threads_share=False)
     sim.run()
     start = {k: sim.start[(0, k)] for k in plan.order}
@@ -97,7 +97,8 @@ def simulate_steps(plan: Plan, seconds: dict[tuple[str, int | None], float], ste
 
 
 class _Steps:
-    """The event-driven simulation behind :func:`simulate_steps` (processor sharing between events)."""
+    """The event-driven simulation behind :func:`simulate_steps` and :func:`simulate` (processor sharing
+    between events); it keeps when each task started and ended."""
 
     EPS = 1e-12
 
