@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 from pathlib import Path
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -47,8 +46,6 @@ def _make_console(stderr: bool = False) -> Console:
 
 console = _make_console()
 err_console = _make_console(stderr=True)
-#: colour codes inside messages (a Ray error carries them); never written off a terminal
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 class VizFormat(str, Enum):
@@ -73,10 +70,12 @@ def _print_problems(problems: list[GraphProblem], warnings: list[GraphProblem]) 
         err_console.print(f"[yellow]warning[/] [yellow]\\[{w.title}][/] {_escape(str(w))}")
 
 
-def _escape(text: str) -> str:
-    from rich.markup import escape
+_escape = cli_debug.plain
 
-    return escape(ANSI.sub("", text))
+
+def fail(message: str, code: int = 1, label: str = "") -> NoReturn:
+    """One error line on the command's stderr console, then exit ``code`` (:func:`flowrl.cli_debug.fail`)."""
+    cli_debug.fail(message, code, err_console, label)
 
 
 def _load(ref: str, overrides: dict[str, Any] | None = None):
@@ -195,23 +194,20 @@ def _plan(g, backend: str, label: str = ""):
     try:
         traits = traits_of(backend)
     except ValueError as e:
-        err_console.print(f"[bold red]error[/] --backend: {_escape(str(e))}")
-        raise typer.Exit(2) from None
+        fail(f"--backend: {e}", 2)
     try:
         return make_plan(g, traits)
     except PlanError as e:
-        err_console.print(f"[bold red]error[/] {label}{_escape(str(e))}")
-        raise typer.Exit(1) from None
+        fail(str(e), 1, label)
 
 
 def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
-    """Median ``timing/<node>`` per node over a run's metrics.jsonl."""
-    import statistics
+    """Each node's measured seconds per step over a run's metrics.jsonl (:func:`~flowrl.plan.costfit.node_seconds`)."""
+    from flowrl.plan.costfit import node_seconds
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        err_console.print(f"[bold red]error[/] --measured: no metrics at {_escape(str(path))}")
-        raise typer.Exit(1)
+        fail(f"--measured: no metrics at {path}")
     from flowrl.store.sinks import MetricsFileError, read_metrics
 
     def warn(msg: str) -> None:
@@ -220,10 +216,8 @@ def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
     try:
         rows = [row for _, row in read_metrics(path, warn=warn)]
     except MetricsFileError as e:
-        err_console.print(f"[bold red]error[/] --measured: {_escape(str(e))}")
-        raise typer.Exit(1) from None
-    costs = {n: statistics.median(r[f"timing/{n}"] for r in rows if f"timing/{n}" in r)
-             for n in nodes if any(f"timing/{n}" in r for r in rows)}
+        fail(f"--measured: {e}")
+    costs = node_seconds(rows, nodes)
     missing = [n for n in nodes if n not in costs]
     if missing:
         err_console.print(f"[yellow]warning[/] no measured time for {', '.join(missing)}; using declared costs")
@@ -268,9 +262,7 @@ def run(
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
     if resume and overwrite:
-        err_console.print("[bold red]error[/] --resume continues the run in the directory and --overwrite "
-                          "replaces it: give one of them")
-        raise typer.Exit(2)
+        fail("--resume continues the run in the directory and --overwrite replaces it: give one of them", 2)
     if ray_listen_all:
         os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
     prestart(backend, address)  # Ray starts on a thread: its seconds overlap loading the graph
@@ -281,9 +273,7 @@ def run(
     from visualizer.live import LiveView
 
     if backend not in BACKENDS:
-        err_console.print(f"[bold red]error[/] --backend {_escape(backend)!s}: not a backend; "
-                          f"use one of {', '.join(sorted(BACKENDS))}")
-        raise typer.Exit(2)
+        fail(f"--backend {backend}: not a backend; use one of {', '.join(sorted(BACKENDS))}", 2)
     total = steps if steps is not None else g.config.trainer.steps
     trainer = None
     try:
@@ -302,8 +292,7 @@ def run(
         signum = trainer.stop_signal if trainer is not None else None
         raise typer.Exit(143 if signum == signal.SIGTERM else 130) from None
     except (OSError, ValueError) as e:
-        err_console.print(f"[bold red]error[/] {_escape(f'{type(e).__name__}: {e}')}")
-        raise typer.Exit(1) from None
+        fail(f"{type(e).__name__}: {e}")
     if trainer.stopped:
         # the shell's convention for "ended by a signal": 128 + its number
         raise typer.Exit(143 if trainer.stop_signal == signal.SIGTERM else 130)
@@ -324,11 +313,10 @@ def export(
 
     hf("utils").logging.disable_progress_bar()  # transformers' "Writing model shards" bars: one line says it
     try:
-        state, meta, where = CheckpointStore(Path(run_dir) / "checkpoints").read_role(role, step)
+        state, meta, where = CheckpointStore.of_run(run_dir).read_role(role, step)
         path = export_hf(state["model"], meta["graph"], out_dir, role=role, where=where)
     except (CheckpointError, ExportError, OSError, ValueError) as e:
-        err_console.print(f"[bold red]error[/] {_escape(str(e))}")
-        raise typer.Exit(1) from None
+        fail(str(e))
     head = role_head(meta["graph"].get("roles") or {}, role)
     how = ("AutoModelForCausalLM.from_pretrained" if head == "causal_lm"
            else f"operators.models.load_model(path, head={head!r})")
@@ -396,8 +384,7 @@ def _describe_op(name: str) -> None:
     try:
         op = REGISTRY.operator(name)
     except (UnknownNameError, ImportPathError) as e:
-        err_console.print(f"[bold red]error[/] {_escape(str(e))}")
-        raise typer.Exit(1) from None
+        fail(str(e))
     console.print(f"[bold]{op.name}[/]  (node name {op.default_node_name()!r}, defined in {op.module})")
     if op.doc:
         console.print(_escape(op.doc))

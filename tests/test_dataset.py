@@ -202,3 +202,19 @@ def test_a_bad_jsonl_line_is_named(tmp_path, line, says):
     with pytest.raises(DatasetError) as err:
         read_rows(path)
     assert str(path) in str(err.value) and says in str(err.value)
+
+
+def test_make_source_builds_the_graphs_declared_source_seeded_by_the_run_or_by_the_caller(tmp_path):
+    from flowrl.graph import load_graph, make_source
+
+    rows = TaskRows("reverse", size=12, seed=4)
+    path = write(tmp_path, [rows[i] for i in range(len(rows))], "jsonl")
+    cfg = load_graph("grpo", overrides={"data.source": str(path), "data.batch_size": 4, "trainer.seed": 3}).config
+
+    def ids(source) -> list:
+        return [source.next_batch().batch["prompts"].tolist() for _ in range(3)]
+
+    run = ids(make_source(cfg))
+    assert run == ids(make_source(cfg, seed=3))  # trainer.seed unless told otherwise
+    assert run != ids(make_source(cfg, seed=4))  # another seed shuffles the file another way
+    assert len(make_source(cfg, split="val").next_batch()) == 12  # validation: the whole file as one batch

@@ -10,7 +10,7 @@ from flowrl.data import DataProto
 from flowrl.data.dispatch import DROPPED
 from flowrl.graph import load_graph
 from flowrl.graph.config import OnErrorConfig
-from flowrl.graph.registry import REGISTRY
+from flowrl.graph.registry import make_source
 from flowrl.errors import NodeError
 from flowrl.recovery.faults import FAULT_ENV, FaultSpecError, parse_fault, run_guarded
 from flowrl.runtime.scheduler import Runtime
@@ -26,9 +26,7 @@ def grpo(**overrides):
 
 
 def prompts(graph, steps: int) -> list[DataProto]:
-    cfg = graph.config
-    spec = REGISTRY.source(cfg.data.source.split(":", 1)[0])
-    src = spec.factory(spec.config.model_validate(cfg.data.dump()), seed=cfg.trainer.seed, roles=cfg.roles)
+    src = make_source(graph.config)
     return [src.next_batch() for _ in range(steps)]
 
 

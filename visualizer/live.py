@@ -26,6 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from flowrl.data.metrics import step_seconds
 from flowrl.graph import Graph
 from visualizer.dag import pool_colors, render_dag
 
@@ -70,7 +71,7 @@ def plan_line(row: dict[str, float]) -> str | None:
     """Predicted against measured step time and critical path, when the run checks its plan
     (``plan/predicted_step_s``, :mod:`flowrl.plan.plancheck`); None otherwise."""
     predicted = row.get("plan/predicted_step_s")
-    measured = row.get("timing/interval", row.get("timing/step"))
+    measured = step_seconds(row)
     if predicted is None or measured is None:
         return None
     out = f"plan: {measured:.3g} s/step measured, {predicted:.3g} predicted ({measured / predicted - 1:+.0%})"

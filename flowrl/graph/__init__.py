@@ -41,7 +41,7 @@ from flowrl.graph.config import GraphConfig
 from flowrl.graph.declare import operator
 from flowrl.graph.ir import Graph, Node, StateEdge
 from flowrl.graph.load import builtin_graphs, load_graph
-from flowrl.graph.registry import REGISTRY, role_kind, source
+from flowrl.graph.registry import REGISTRY, make_source, role_kind, source
 from flowrl.graph.spec import SOURCE, NoParams, OperatorOutputError, OperatorSpec, Params, StateSpec
 from flowrl.graph.trace import GraphBuilder, TracedBatch, graph
 
@@ -51,7 +51,7 @@ __all__ = [
     "NoParams", "OperatorOutputError", "OperatorSpec", "ParameterError", "Params", "PoolError", "REGISTRY",
     "Report", "ResourceError", "RoleError", "RoleWithoutPoolError", "SOURCE", "SchemaError", "StateEdge", "StateSpec",
     "TracedBatch", "UnknownOperatorError", "UnusedOutputWarning", "builtin_graphs", "check", "graph",
-    "load_graph", "operator", "role_kind", "source",
+    "load_graph", "make_source", "operator", "role_kind", "source",
 ]
 
 

@@ -25,6 +25,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from flowrl.graph.timeouts import COLLECTIVE_S, TASK_S
+
 #: keys of a node that are not operator parameters
 NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost", "on_error")
 
@@ -69,7 +71,7 @@ class PoolConfig(_Strict):
     roles: list[str] = Field(default_factory=list)
     backend: str = Field("cpu:gloo,cuda:nccl", description="torch.distributed backend per device type, "
                          "for a pool of more than one worker")
-    timeout_s: float = Field(300.0, gt=0, description="how long one collective of the pool's group may wait")
+    timeout_s: float = Field(COLLECTIVE_S, gt=0, description="how long one collective of the pool's group may wait")
     max_restarts: int = Field(0, ge=0, le=1000, description="dead workers replaced during the run (a pool of one "
                               "worker whose roles no node updates: one that generates or scores)")
 
@@ -117,7 +119,7 @@ class ScheduleConfig(_Strict):
     staleness: int | dict[str, int] = 0
     order: Literal["critical_path", "declared"] = Field(
         "critical_path", description="per-pool order: list-scheduled critical path first, or as written")
-    timeout_s: float | None = Field(3600.0, gt=0, description="how long a node's task may run when the node sets "
+    timeout_s: float | None = Field(TASK_S, gt=0, description="how long a node's task may run when the node sets "
                                      "no timeout_s of its own (null: no limit); past it the step fails with "
                                      "the stuck worker's stack")
     colocate_light_nodes: bool = Field(

@@ -34,7 +34,7 @@ from flowrl.data.fields import Field
 from flowrl.graph.checks import Report, check
 from flowrl.graph.config import GraphConfig, NodeConfig, RoleConfig
 from flowrl.graph.problems import BuildProblem, Location
-from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError, load_module
+from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError, load_module, source_kind
 from flowrl.graph.spec import SOURCE, OperatorSpec, Params
 
 
@@ -155,9 +155,8 @@ class Graph:
 
     def _resolve_source(self) -> None:
         data = self.config.data
-        kind = data.source.split(":", 1)[0] if ":" in data.source else "file"
         try:
-            spec = REGISTRY.source(kind)
+            spec = REGISTRY.source(source_kind(data.source))
         except UnknownNameError as e:
             self.problems.append(BuildProblem("source", f"unknown data source kind {e.name!r}",
                                               path=("data", "source"),

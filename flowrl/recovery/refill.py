@@ -33,7 +33,7 @@ import torch
 
 from flowrl.data import DataProto
 from flowrl.graph.config import GraphConfig
-from flowrl.graph.registry import REGISTRY
+from flowrl.graph.registry import make_source
 from flowrl.errors import RuntimeFailure
 from flowrl.recovery.faults import RefillNeeded
 from flowrl.plan.planner import Plan
@@ -63,12 +63,8 @@ def refill_seed(seed: int, step: int, round_: int) -> int:
 def keyed_draw(cfg: GraphConfig) -> Draw:
     """``draw(step, k, round)``: ``k`` fresh prompts of the graph's data source, from a source
     seeded by (run seed, step, round) — the same prompts whenever they are drawn."""
-    kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
-    spec = REGISTRY.source(kind)
-    data_cfg = spec.config.model_validate(cfg.data.dump())
-
     def draw(step: int, k: int, round_: int) -> DataProto:
-        source = spec.factory(data_cfg, seed=refill_seed(cfg.trainer.seed, step, round_), roles=cfg.roles)
+        source = make_source(cfg, seed=refill_seed(cfg.trainer.seed, step, round_))
         batch = next(source)
         if len(batch) < k:
             raise RefillError(f"the data source gave {len(batch)} prompts; {k} are needed to refill step {step + 1}")

@@ -162,7 +162,7 @@ class Replay:
         return row
 
     def _checkpoint(self) -> tuple[dict[str, Any], Path]:
-        store = CheckpointStore(self.run_dir / "checkpoints")
+        store = CheckpointStore.of_run(self.run_dir)
         found = [p for p in store.complete() if steps_done(p) <= self.step - 1]
         if not found:
             have = ", ".join(str(steps_done(p)) for p in reversed(store.complete())) or "none"
@@ -187,7 +187,7 @@ class Replay:
         if report.errors:
             raise ReplayError(f"the replayed part of the graph does not check: {report.errors[0]}")
         rt = Runtime(sub, backend=make_backend(self.backend, self.address),
-                     stage=lambda t: stage / f"step_{t + 1:08d}")
+                     stage=CheckpointStore(stage).path)
         _same_cuts(run_plan, rt.plan)
         return rt, batches
 

@@ -42,7 +42,8 @@ from typing import Any, Callable
 
 import yaml
 
-from flowrl.graph import REGISTRY, Graph
+from flowrl.graph import Graph
+from flowrl.graph.registry import make_source
 from flowrl.store.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
                                        fingerprint, worker_counts)
 from flowrl.runtime.backends import make_backend, start_early, stop_early
@@ -93,7 +94,7 @@ class Trainer:
         # the fields the graph's operators declare worth dumping (dumped=...)
         producers = graph.producers()
         fetch = [f for f in graph.dumped_fields() if f in producers] if cfg.trainer.dump_rollouts else []
-        self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
+        self.store = CheckpointStore.of_run(self.out, keep=cfg.trainer.keep_checkpoints)
         # the plan carries the validation run when trainer.val_every asks (the check refused a graph
         # that scores nothing)
         #: what worker processes print, and the traceback of a failure (:mod:`flowrl.store.runlog`)
@@ -103,13 +104,9 @@ class Trainer:
                                on_progress=on_progress, fetch=fetch, stage=self.store.stage, record=self._recorded)
         start_early(self.runtime.backend, self.runtime.plan.pools)  # their imports overlap the rest of this
         self.show_startup = show_startup
-        kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
-        spec = REGISTRY.source(kind)
-        data_cfg = spec.config.model_validate(cfg.data.dump())
         try:
-            self.source = spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles)
-            self.val_source = (spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles, split="val")
-                               if self.runtime.plan.validation is not None else None)
+            self.source = make_source(cfg)
+            self.val_source = make_source(cfg, split="val") if self.runtime.plan.validation is not None else None
         except BaseException:
             stop_early(self.runtime.backend)  # no run will use the workers asked for above
             raise

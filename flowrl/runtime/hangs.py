@@ -29,8 +29,8 @@ import threading
 import traceback
 from pathlib import Path
 
-#: how long the driver waits for a stuck worker's stacks
-STACKS_TIMEOUT_S = 5.0
+from flowrl.graph.timeouts import STACKS_S as STACKS_TIMEOUT_S  # how long the driver waits for a worker's stacks
+
 #: the frames of a stack kept (innermost): enough to see the operator under the runtime
 MAX_FRAMES = 40
 

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from flowrl.runtime.backend import Backend, backend
+from flowrl.graph.timeouts import THREAD_EXIT_S
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, thread_stacks
 from flowrl.plan.pools import DRIVER, PoolSpec
 from flowrl.plan.traits import LOCAL
@@ -142,7 +143,7 @@ class _DaemonExecutor:
             # let an idle thread leave before the interpreter tears torch down under it
             # (a thread still inside torch at exit aborts the process); a hung one stays
             if self.thread is not None and self.thread is not threading.current_thread():
-                self.thread.join(timeout=2.0)
+                self.thread.join(timeout=THREAD_EXIT_S)
 
 
 class _Projection:

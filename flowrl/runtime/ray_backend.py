@@ -17,6 +17,7 @@ from typing import Any
 from flowrl.runtime import ray_start
 from flowrl.runtime.backend import Backend, backend, describe_death
 from flowrl.errors import PlacementError, RuntimeFailure
+from flowrl.graph.timeouts import PLACEMENT_S
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
 from flowrl.plan.pools import DRIVER, PoolSpec
 from flowrl.store.runlog import log_offset, warning_notes
@@ -35,7 +36,7 @@ class RayBackend(Backend):
     """One Ray actor per (pool, rank) in the pool's placement group; the actors of a pool
     of N > 1 form one torch.distributed group before their roles are built."""
 
-    def __init__(self, address: str | None = None, placement_timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str | None = None, placement_timeout_s: float = PLACEMENT_S) -> None:
         self.address = address
         self.placement_timeout_s = placement_timeout_s
         self.actors: dict[tuple[str, int], Any] = {}

@@ -37,6 +37,7 @@ import time
 from typing import Any
 
 from flowrl.errors import PlacementError, RunError
+from flowrl.graph.timeouts import RAY_REACH_S
 from flowrl.runtime.startup import Span
 from flowrl.plan.traits import RAY
 
@@ -181,7 +182,7 @@ def _start_local(init: Any, shutdown: Any, sleep: Any = time.sleep) -> None:
         f"run with --backend local, or allow more tries with FLOWRL_RAY_START_TRIES={tries * 2}")
 
 
-def _reachable(address: str, origin: str, timeout_s: float = 5.0) -> None:
+def _reachable(address: str, origin: str, timeout_s: float = RAY_REACH_S) -> None:
     """Fail fast, naming ``origin``, when a ``host:port`` cluster address does not answer (Ray would retry
     for minutes)."""
     import socket

@@ -47,6 +47,7 @@ from flowrl.plan.staleness import Versions, window
 from flowrl.runtime.timeline import Timeline
 from flowrl.recovery.watchdog import TaskTimeout, check_timeouts, get_within
 from flowrl.runtime.worker import Call, Info, node_entries
+from flowrl.store.checkpoint import CheckpointStore
 
 TaskKey = tuple[str, int | None]
 
@@ -111,8 +112,8 @@ class Runtime:
         self._started = False
         self._in_flight: deque[_Step] = deque()  # the steps submitted behind the one being finished
         self.restarts = Restarts.for_graph(graph)
-        self._stage = stage or (lambda t: Path(tempfile.gettempdir()) / f"flowrl-shards-{os.getpid()}-{id(self)}"
-                                / f"step_{t + 1:08d}")
+        self._stage = stage or CheckpointStore(Path(tempfile.gettempdir())
+                                               / f"flowrl-shards-{os.getpid()}-{id(self)}").path
 
     # ------------------------------------------------------------------ placement
     def start(self) -> "Runtime":

@@ -25,6 +25,7 @@ from flowrl.data.dispatch import RowKeys, get_mode
 from flowrl.data.expand import RowCountError, check_rows
 from flowrl.graph import OperatorSpec, Params
 from flowrl.graph.config import OnErrorConfig
+from flowrl.graph.timeouts import COLLECTIVE_S
 from flowrl.store.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.errors import NodeError, RunError, StalenessError
@@ -198,7 +199,7 @@ class Worker:
         self._listener = listen(host)
         return f"{host}:{self._listener.getsockname()[1]}"
 
-    def join_group(self, address: str, backend: str = DEFAULT_BACKEND, timeout_s: float = 300.0) -> int:
+    def join_group(self, address: str, backend: str = DEFAULT_BACKEND, timeout_s: float = COLLECTIVE_S) -> int:
         """Join the pool's process group at ``address`` (every rank at once), then build the roles on it."""
         try:
             self.group = PoolGroup.join(self.pool, self.rank, self.world_size, address, backend=backend,

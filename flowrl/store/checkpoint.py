@@ -6,7 +6,9 @@ for one process and N ranks, see :mod:`flowrl.store.checkpoint_state`), and
 the rest of a run's state rides along: the data position, the operators' state,
 the weights fetched for steps still in flight, each rank's sampling stream. It
 lists, stages, saves, loads, verifies and purges (keeps the newest ``keep``).
-Nothing else knows the layout; ``flowrl export`` asks :meth:`CheckpointStore.read_role`.
+Nothing else knows the layout: a run keeps its checkpoints in ``<out>/checkpoints``
+(:meth:`CheckpointStore.of_run`), a step's directory is named by :meth:`CheckpointStore.path`,
+and ``flowrl export`` asks :meth:`CheckpointStore.read_role`.
 
 A checkpoint after k completed steps is a directory ``step_<k>``::
 
@@ -25,7 +27,7 @@ unpickled. The directory's name, not the editable metadata, decides the step.
 
 Example::
 
-    store = CheckpointStore("runs/grpo/checkpoints", keep=3)
+    store = CheckpointStore.of_run("runs/grpo", keep=3)      # runs/grpo/checkpoints
     store.save(step=49, payload=result.checkpoint, meta={"graph": graph.config.dump()})
     payload, meta, path = store.load_latest(warn=print)
 """
@@ -53,8 +55,16 @@ RESUMABLE_KEYS = ("steps", "out", "checkpoint_every", "keep_checkpoints", "log_e
                   "dump_rollouts", "wandb_project", "record")
 
 
+#: the folder of a run directory (``trainer.out``) that holds its checkpoints
+CHECKPOINTS = "checkpoints"
+
 #: a complete checkpoint's directory name; the number is the count of completed steps
 STEP_DIR = re.compile(r"step_(\d{1,12})")
+
+
+def step_name(done: int) -> str:
+    """The directory name of the checkpoint after ``done`` completed steps (``100`` → ``step_00000100``)."""
+    return f"step_{done:08d}"
 
 
 def written_by() -> str:
@@ -71,6 +81,20 @@ class CheckpointStore:
     def __init__(self, root: str | Path, keep: int = 3) -> None:
         self.root = Path(root)
         self.keep = keep
+
+    @classmethod
+    def of_run(cls, run_dir: str | Path, keep: int = 3) -> "CheckpointStore":
+        """The checkpoints of the run directory ``run_dir`` (``trainer.out``)."""
+        return cls(Path(run_dir) / CHECKPOINTS, keep=keep)
+
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of step ``step`` (0-based) lives once saved: named by completed steps, as
+        the run shows them ("step 100/300" → ``step_00000100``)."""
+        return self.root / step_name(step + 1)
+
+    def any_saved(self) -> bool:
+        """Whether a checkpoint was ever renamed into place here (complete or not)."""
+        return any(STEP_DIR.fullmatch(p.name) for p in self.root.glob("step_*"))
 
     def complete(self) -> list[Path]:
         """Checkpoints that were renamed into place, newest first."""
@@ -102,7 +126,7 @@ class CheckpointStore:
         for stale in self.root.glob(".tmp_*"):  # left by a run killed mid-save
             if not stale.name.endswith(f"_{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
-        return (self.root / f".tmp_step_{step + 1:08d}_{os.getpid()}").resolve()
+        return (self.root / f".tmp_{step_name(step + 1)}_{os.getpid()}").resolve()
 
     def discard_staged(self) -> None:
         """Remove what this process staged and never saved (a save that failed half-way)."""
@@ -115,9 +139,7 @@ class CheckpointStore:
         for stale in self.root.glob(f".tmp_step_*_{os.getpid()}"):  # staged for a step that never saved
             if stale.name < tmp.name:
                 shutil.rmtree(stale, ignore_errors=True)
-        # named by completed steps, as the run shows them ("step 100/300" → step_00000100);
-        # meta's "step" is the 0-based index of the last step in it
-        final = self.root / f"step_{step + 1:08d}"
+        final = self.path(step)  # meta's "step" is the 0-based index of the last step in it
         try:
             tmp.mkdir(exist_ok=True)
             shards = payload.get("shards")

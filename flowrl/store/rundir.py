@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flowrl.errors import RuntimeFailure
+from flowrl.store.checkpoint import CHECKPOINTS, CheckpointStore
 
 LOCK_NAME = ".flowrl.lock"
 #: what a run writes into its directory (``--overwrite`` removes exactly these)
-RUN_STATE = ("metrics.jsonl", "checkpoints", "config.yaml", "rollouts", "tensorboard", "fingerprints.jsonl")
+RUN_STATE = ("metrics.jsonl", CHECKPOINTS, "config.yaml", "rollouts", "tensorboard", "fingerprints.jsonl")
 
 
 class RunDirectoryError(RuntimeFailure):
@@ -94,8 +95,8 @@ class RunDirectory:
         metrics = self.path / "metrics.jsonl"
         if metrics.is_file() and metrics.stat().st_size > 0:
             found.append("metrics.jsonl")
-        if any((self.path / "checkpoints").glob("step_*")):
-            found.append("checkpoints")
+        if CheckpointStore.of_run(self.path).any_saved():
+            found.append(CHECKPOINTS)
         return found
 
     def claim(self, *, resume: bool, overwrite: bool) -> None:
