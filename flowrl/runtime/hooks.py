@@ -68,7 +68,9 @@ class TaskHook:
         return run
 
     def after(self, task: TaskRun, out: "DataProto") -> dict[str, Any]:
-        """The task's output made; the :class:`~flowrl.runtime.worker.Info` fields this hook reports."""
+        """The task's output made; the :class:`~flowrl.runtime.worker.Info` fields this hook reports
+        (those the worker does not fill itself: ``start``, ``end``, ``prints``). Metrics come
+        from the run: a hook adds its own by wrapping it (:meth:`around`)."""
         return {}
 
     def loaded(self, role: str | None) -> dict[str, Any]:
