@@ -134,12 +134,13 @@ def test_groups_follow_the_declared_group_key_and_marks_reach_the_output():
 
     def op(b: DataProto):
         calls.append(len(b))
-        if "b" in set(b.non_tensor_batch["uid"]):
+        if "b" in set(b.non_tensor_batch["prompt"]):
             raise ValueError("no")
         return DataProto.from_dict({"s": b.batch["x"] * 2.0}), {"m": 1.0}
 
-    batch = DataProto.from_dict({"x": torch_arange(6)}, {"uid": np.array(list("aabbcc"), dtype=object)})
-    out, metrics = run_guarded(op, batch, OnErrorConfig(then="drop_group"), key="uid")
+    # the groups are the values of the column the node declares its group key (any name)
+    batch = DataProto.from_dict({"x": torch_arange(6)}, {"prompt": np.array(list("aabbcc"), dtype=object)})
+    out, metrics = run_guarded(op, batch, OnErrorConfig(then="drop_group"), key="prompt")
     assert out.non_tensor_batch[DROPPED].tolist() == [False, False, True, True, False, False]
     assert out.batch["s"].tolist() == [0.0, 2.0, 0.0, 0.0, 8.0, 10.0]
     assert metrics["faults/dropped_groups"] == 1 and metrics["m"] == 1.0
