@@ -57,6 +57,10 @@ class VizFormat(str, Enum):
 
 parse_overrides = cli_debug.parse_overrides  # flowrl replay takes --set too
 
+#: the fault switch's environment variable: an alias of ``flowrl run --fault``, read by that command
+#: alone, once (the runtime reads no environment; the switch is the graph's ``trainer.fault``)
+FAULT_ENV = "FLOWRL_FAULT"
+
 
 def _count(n: int, noun: str) -> str:
     """``1 pool``, ``2 pools``."""
@@ -88,9 +92,10 @@ def _load(ref: str, overrides: dict[str, Any] | None = None):
         raise typer.Exit(1) from None
 
 
-def _load_checked(ref: str, set_: list[str] | None):
-    """A graph that passed every check (else its problems are printed and the command exits 1)."""
-    g = _load(ref, parse_overrides(set_))
+def _load_checked(ref: str, set_: list[str] | None, more: dict[str, Any] | None = None):
+    """A graph that passed every check (else its problems are printed and the command exits 1);
+    ``more``: overrides set by other options than ``--set``."""
+    g = _load(ref, {**parse_overrides(set_), **(more or {})})
     report = g.check()
     if not report.ok:
         _print_problems(report.errors, report.warnings)
@@ -259,6 +264,9 @@ def run(
     verbose: bool = typer.Option(
         False, "-v", "--verbose",
         help="after the first step, print the start-up timeline (which process did what, when)"),
+    fault: Optional[str] = typer.Option(
+        None, "--fault", help="inject a failure, for tests and rehearsals: node=reward,step=3,rank=0,"
+        f"kind=raise|hang|kill,mb=0,times=1 (sets trainer.fault; default: {FAULT_ENV} when set)"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
     if resume and overwrite:
@@ -266,7 +274,9 @@ def run(
     if ray_listen_all:
         os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
     prestart(backend, address)  # Ray starts on a thread: its seconds overlap loading the graph
-    g = _load_checked(graph, set_)  # before the runtime's imports: a wrong graph is said at once
+    fault = fault if fault is not None else os.environ.get(FAULT_ENV, "").strip() or None
+    # before the runtime's imports: a wrong graph is said at once
+    g = _load_checked(graph, set_, {"trainer.fault": fault} if fault else None)
     from flowrl.runtime.backends import BACKENDS
     from flowrl.errors import RuntimeFailure
     from flowrl.run.trainer import Trainer

@@ -133,6 +133,7 @@ def _kl_loss_has_reference(graph):
     inputs={**SEQUENCE_IMAGES_IN, "response_mask": "int64[B, R]", "old_log_probs": "float32[B, R]",
             "advantages": "float32[B, R]", "ref_log_prob": "float32[B, R]", "rollout_log_probs": "float32[B, R]"},
     outputs={},
+    token_mask="response_mask",
 )
 def update(actor, batch, p: ActorUpdate):
     """L = policy_loss(ratio, A) − c_H · H(π) + β · KL(π ‖ π_ref), with ratio = exp(log π − log π_old).

@@ -38,7 +38,7 @@ RULE = dict(scope="row", node_name="reward", params=Rule, optional_inputs=("rewa
             score="token_level_scores", dumped=("token_level_scores",))
 
 
-@operator("reward.rule", outputs={"token_level_scores": "float32[B, R]"}, **RULE)
+@operator("reward.rule", outputs={"token_level_scores": "float32[B, R]"}, **RULE, token_mask="response_mask")
 def rule(batch, p: Rule):
     """score_i = fn(response_i, ground_truth_i), placed on the last response token.
 
@@ -49,7 +49,7 @@ def rule(batch, p: Rule):
 
 
 @operator("reward.rule_extras", outputs={"token_level_scores": "float32[B, R]", "reward_extra_info": "object[B]"},
-          **RULE)
+          **RULE, token_mask="response_mask")
 def rule_extras(batch, p: Rule):
     """reward.rule that also keeps each response's other dict keys: ``reward_extra_info[i]`` is a dict.
 
@@ -144,6 +144,7 @@ def _auto_reward_covers_the_data(graph):
     inputs={"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]", "position_ids": "int64[B, T]",
             "response_mask": "int64[B, R]"},
     outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),
+    token_mask="response_mask",
 )
 def model(rm, batch, p):
     """A sequence classifier's scalar score of prompt+response, on the last response token."""

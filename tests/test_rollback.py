@@ -9,7 +9,6 @@ import pytest
 from flowrl.data.metrics import measured
 from flowrl.graph import load_graph
 from flowrl.errors import RuntimeFailure
-from flowrl.recovery.faults import FAULT_ENV
 from flowrl.store.sinks import read_metrics
 from flowrl.run.trainer import Trainer
 
@@ -20,9 +19,8 @@ pytest.importorskip("ray")
 KILL = "node=update_actor,step=5,rank=1,kind=kill"
 
 
-def _train(out, fault: str, mp: pytest.MonkeyPatch, said: list[str], **extra):
-    mp.setenv(FAULT_ENV, fault)
-    g = load_graph("grpo", overrides={**TWO, **extra})
+def _train(out, fault: str, said: list[str], **extra):
+    g = load_graph("grpo", overrides={**TWO, "trainer.fault": fault, **extra})
     trainer = Trainer(g, backend="ray", steps=STEPS, out=out, say=said.append)
     try:
         return trainer, trainer.run(), None
@@ -33,13 +31,9 @@ def _train(out, fault: str, mp: pytest.MonkeyPatch, said: list[str], **extra):
 @pytest.fixture(scope="module")
 def runs(two_worker_grpo_run, tmp_path_factory):
     """The killed run, and the uninterrupted one (the session's: the same job without the restart)."""
-    mp = pytest.MonkeyPatch()
     root = tmp_path_factory.mktemp("rollback")
     said: list[str] = []
-    try:
-        trainer, history, error = _train(root / "killed", KILL, mp, said, **{"pools.train.max_restarts": 1})
-    finally:
-        mp.undo()
+    trainer, history, error = _train(root / "killed", KILL, said, **{"pools.train.max_restarts": 1})
     clean_dir, clean_rows = two_worker_grpo_run
     return {"clean": (None, clean_rows, None, [], clean_dir),
             "killed": (trainer, history, error, said, root / "killed")}

@@ -35,12 +35,9 @@ ALLOWED = {
 #: from the code must be removed here, and none may be added
 PENDING = {
     "flowrl.runtime.scheduler -> flowrl.provenance.record",
-    "flowrl.runtime.scheduler -> flowrl.recovery.faults",
     "flowrl.runtime.scheduler -> flowrl.recovery.refill",
     "flowrl.runtime.scheduler -> flowrl.recovery.restarts",
     "flowrl.runtime.scheduler -> flowrl.recovery.watchdog",
-    "flowrl.runtime.worker -> flowrl.provenance.fingerprints",
-    "flowrl.runtime.worker -> flowrl.recovery.faults",
 }
 
 

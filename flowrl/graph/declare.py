@@ -17,7 +17,7 @@ Example::
               inputs={"token_level_rewards": "float32[B, R]", "values": "float32[B, R]",
                       "response_mask": "int64[B, R]"},
               outputs={"advantages": "float32[B, R]", "returns": "float32[B, R]"},
-              params=GAE, scope="batch")
+              params=GAE, scope="batch", token_mask="response_mask")
     def gae(batch, p: GAE):
         adv, ret = compute_gae(batch["token_level_rewards"], batch["values"],
                                batch["response_mask"], p.gamma, p.lam)
@@ -117,6 +117,7 @@ def operator(
     state: StateSpec | None = None,
     balance_by: str | None = None,
     group_key: str | None = None,
+    token_mask: str | None = None,
     register: bool = True,
 ) -> Callable[[Callable[..., Any]], Operator]:
     """Declare (and register) an operator; see the module docstring.
@@ -140,7 +141,9 @@ def operator(
     (``attention_mask``): on a pool whose ranks form a process group, the plan
     runs the node data parallel with rows balanced by it. ``group_key`` names
     the input whose equal values mark one group (``uid``): a group-scoped node
-    run data parallel keeps each group on one rank.
+    run data parallel keeps each group on one rank. ``token_mask`` names the input or
+    output whose ones mark a row's real tokens (``response_mask``): the fingerprints of
+    its float fields of that shape summarise those tokens only.
     """
     if scope not in SCOPES:
         raise OperatorDeclarationError(f"operator {name!r}: scope must be one of {SCOPES}, not {scope!r}")
@@ -167,6 +170,9 @@ def operator(
     for what, key in (("balance_by", balance_by), ("group_key", group_key)):
         if key is not None and key not in (inputs or {}):
             raise OperatorDeclarationError(f"operator {name!r}: {what}={key!r} is not one of its inputs")
+    if token_mask is not None and token_mask not in (inputs or {}) and token_mask not in (outputs or {}):
+        raise OperatorDeclarationError(f"operator {name!r}: token_mask={token_mask!r} is neither an input nor an "
+                                       f"output")
     if updates_role and not role:
         raise OperatorDeclarationError(f"operator {name!r}: updates_role needs a role")
 
@@ -203,6 +209,7 @@ def operator(
             state=state,
             balance_by=balance_by,
             group_key=group_key,
+            token_mask=token_mask,
         )
         if register:
             REGISTRY.add_operator(spec)

@@ -94,6 +94,7 @@ class OperatorSpec:
     state: "StateSpec | None" = None  # state kept across steps (checkpointed, same on every rank)
     balance_by: str | None = None  # the input whose ones are a row's real tokens: data-parallel balancing
     group_key: str | None = None  # the input whose equal values mark one group (rows kept on one rank)
+    token_mask: str | None = None  # the input or output whose ones mark a row's real tokens (fingerprint statistics)
 
     def expansion(self, params: Params | None) -> int:
         """How many output rows each input row becomes (``n`` samples per prompt), else 1."""

@@ -94,7 +94,7 @@ def replay_graph(graph: Graph, keep: set[str], fields: list[Field], rows: int) -
     dump["nodes"] = {n: c for n, c in dump["nodes"].items() if n in keep}
     dump["data"] = {**dump["data"], "batch_size": rows}
     dump["trainer"] = {**dump["trainer"], "val_every": 0, "checkpoint_every": 0, "fingerprints": False,
-                       "record": None}
+                       "record": None, "fault": None}
     return Recorded.from_config(GraphConfig.model_validate(dump), source_file=graph.source_file)
 
 

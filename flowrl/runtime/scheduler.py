@@ -36,7 +36,6 @@ from flowrl.data.dispatch import get_mode
 from flowrl.graph import Graph
 from flowrl.runtime.backends import Backend, describe_death, make_backend
 from flowrl.errors import NodeError, RuntimeFailure, WorkerDiedError
-from flowrl.recovery.faults import fault_from_env
 from flowrl.plan.planner import Plan, Task, make_plan
 from flowrl.runtime.reads import fetched, task_input
 from flowrl.provenance.record import collect_records
@@ -119,8 +118,7 @@ class Runtime:
     def start(self) -> "Runtime":
         if self._started:
             return self
-        fault = fault_from_env()
-        nodes = {p.kind: node_entries(p, fault) for p in self.plan.runs()}
+        nodes = {p.kind: node_entries(p) for p in self.plan.runs()}
         # no idle driver process when every node runs in a pool
         self.backend.start(self.plan.pools, nodes, self.graph.config.trainer.seed, driver=self.plan.driver)
         self._started = True

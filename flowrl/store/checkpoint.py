@@ -52,7 +52,7 @@ MANIFEST = "manifest.json"
 
 #: trainer keys that may change between a run and its resumption
 RESUMABLE_KEYS = ("steps", "out", "checkpoint_every", "keep_checkpoints", "log_every", "val_every",
-                  "dump_rollouts", "wandb_project", "record")
+                  "dump_rollouts", "wandb_project", "record", "fault")
 
 
 #: the folder of a run directory (``trainer.out``) that holds its checkpoints

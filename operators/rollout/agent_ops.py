@@ -123,6 +123,7 @@ def _row_kwargs(extra_info: Any, key: str) -> dict:
              "finish_reason": "object[B]"},
     aux_outputs=("rollout_log_probs", "weight_version", "messages", "finish_reason"),
     val_params={"greedy": True}, dumped=("prompts", "responses", "weight_version"),
+    token_mask="response_mask",
 )
 def multi_turn(actor, batch, p: MultiTurn):
     """n conversations per prompt with tools / an environment; the mask keeps only what the model sampled."""
@@ -194,6 +195,7 @@ def outcome_fn(fn: str, data_source: str):
     inputs={"response_mask": "int64[B, R]", "answer": "object[B]", "tool_reward": "float32[B]",
             "data_source": "object[B]", "ground_truth": "object[B]", "extra_info": "object[B]"},
     outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),
+    token_mask="response_mask",
 )
 def agent_reward(batch, p: AgentReward):
     """score = fn(final answer, ground truth) + w · (tool + environment rewards), on the last sampled token."""

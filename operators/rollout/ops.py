@@ -43,6 +43,7 @@ SEQUENCE_FIELDS = {
     # sequences and log-probs it also writes are by-products, not a wiring mistake
     aux_outputs=("input_ids", "attention_mask", "position_ids", "rollout_log_probs", "weight_version"),
     val_params={"greedy": True}, dumped=("prompts", "responses", "weight_version"),
+    token_mask="response_mask",
 )
 def generate(actor, batch, p: Generate):
     """Sample ``n`` responses per prompt; ``weight_version`` records the policy that made each one.
