@@ -4,6 +4,7 @@ the nodes it names, built once per worker, around the operator call, and report 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,3 +92,24 @@ def test_without_its_policy_the_switch_fails_the_step_naming_the_node(tmp_path):
             list(rt.run(batches(4), steps=2))
     assert (exc.value.node, exc.value.step, exc.value.mb) == ("values", 1, 1)
     assert "injected by trainer.fault (node=values, step=2, kind=raise)" in str(exc.value)
+
+
+def test_a_runtime_without_the_run_wing_gets_every_wings_hooks():
+    """The hooks come through the flowrl.hooks entry points, not through whoever imported the wings first:
+    a plan made in a fresh interpreter that never imports flowrl.run still runs the failure policies
+    (which also leave dropped rows out) and the fingerprints."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from flowrl.graph import load_graph\n"
+            "from flowrl.plan.planner import make_plan\n"
+            "from flowrl.plan.traits import traits_of\n"
+            "from flowrl.runtime.hooks import hook_specs\n"
+            "specs = hook_specs(make_plan(load_graph('grpo'), traits_of('local')))\n"
+            "assert 'flowrl.run' not in sys.modules\n"
+            "print(sorted({type(s).__module__ for ss in specs.values() for s in ss}))\n")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['flowrl.provenance.fingerprints',", "'flowrl.recovery.faults']"]

@@ -19,7 +19,10 @@ imports its wing), carried per node in :class:`~flowrl.runtime.worker.NodeEntry`
 worker builds each spec once (``spec.build(worker)``), so a hook keeps per-worker state (a digest
 cache, a fault's count of firings). A wing offers its hooks by registering a provider with
 :func:`task_hooks`: called on the driver for each plan, it returns the spec each node runs with.
-A wing's providers register when the wing is imported (``flowrl.run`` imports every wing).
+A wing's providers register when its module is imported; every module named in the
+``flowrl.hooks`` entry-point group (flowrl's own: fingerprints, then the failure policies and the
+fault switch; a plugin may add its own) is imported before the first plan's hooks are asked for,
+so a :class:`~flowrl.runtime.scheduler.Runtime` built without the run wing runs the same hooks.
 
 Example::
 
@@ -30,8 +33,10 @@ Example::
 
 from __future__ import annotations
 
+import importlib
 import time
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 if TYPE_CHECKING:  # the worker imports this module; hooks only read its types
@@ -110,8 +115,24 @@ def task_hooks(provider: HookProvider) -> HookProvider:
     return provider
 
 
+#: the entry-point group whose modules register task hooks (pyproject.toml)
+ENTRY_POINT_GROUP = "flowrl.hooks"
+_plugins_loaded = False
+
+
+def load_hook_plugins() -> None:
+    """Import every module of the ``flowrl.hooks`` entry points once, by entry-point name (a fixed order)."""
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True
+    for ep in sorted(entry_points(group=ENTRY_POINT_GROUP), key=lambda ep: ep.name):
+        importlib.import_module(ep.value.split(":")[0])
+
+
 def hook_specs(plan: "Plan") -> dict[str, tuple[HookSpec, ...]]:
     """Node → the specs of every registered provider for ``plan``, in registration order."""
+    load_hook_plugins()
     out: dict[str, tuple[HookSpec, ...]] = {}
     for provider in _PROVIDERS:
         for node, spec in provider(plan).items():
