@@ -122,7 +122,7 @@ def _kl_loss_has_reference(graph):
 @operator(
     "actor.update", role="actor", scope="batch", dispatch="all", updates_role=True, node_name="update_actor",
     cost=4.0, params=ActorUpdate, optional_inputs=("ref_log_prob", "rollout_log_probs", *VISION_FIELDS),
-    balance_by="attention_mask",
+    balance_by="attention_mask", headline=("actor/pg_loss", "actor/approx_kl", "actor/entropy"),
     inputs={**SEQUENCE_IMAGES_IN, "response_mask": "int64[B, R]", "old_log_probs": "float32[B, R]",
             "advantages": "float32[B, R]", "ref_log_prob": "float32[B, R]", "rollout_log_probs": "float32[B, R]"},
     outputs={},

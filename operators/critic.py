@@ -32,7 +32,7 @@ class CriticUpdate(Params):
 @operator("critic.update", role="critic", scope="batch", dispatch="all", updates_role=True,
           node_name="update_critic", cost=4.0, params=CriticUpdate, balance_by="attention_mask",
           inputs={**SEQUENCE_IN, "response_mask": "int64[B, R]", "values": "float32[B, R]",
-                  "returns": "float32[B, R]"}, outputs={})
+                  "returns": "float32[B, R]"}, outputs={}, headline=("critic/vf_loss",))
 def update(critic, batch, p: CriticUpdate):
     """L_V = ½ · max((V − R)², (clip(V, V_old ± ε) − R)²), aggregated over tokens."""
 

@@ -48,6 +48,7 @@ from flowrl.graph.spec import (
     Params,
     Scope,
     StateSpec,
+    TokenMetrics,
 )
 
 #: top-level packages whose operators are pickled by name (importable wherever flowrl is installed)
@@ -117,6 +118,8 @@ def operator(
     state: StateSpec | None = None,
     balance_by: str | None = None,
     group_key: str | None = None,
+    headline: tuple[str, ...] = (),
+    tokens: TokenMetrics | None = None,
     register: bool = True,
 ) -> Callable[[Callable[..., Any]], Operator]:
     """Declare (and register) an operator; see the module docstring.
@@ -140,7 +143,10 @@ def operator(
     (``attention_mask``): on a pool whose ranks form a process group, the plan
     runs the node data parallel with rows balanced by it. ``group_key`` names
     the input whose equal values mark one group (``uid``): a group-scoped node
-    run data parallel keeps each group on one rank.
+    run data parallel keeps each group on one rank. ``headline`` names the
+    metrics it reports that a person watches during a run (the live view shows
+    them, in the graph's order); ``tokens`` which of them count the tokens it
+    generated per row (:class:`TokenMetrics`: throughput, profiles).
     """
     if scope not in SCOPES:
         raise OperatorDeclarationError(f"operator {name!r}: scope must be one of {SCOPES}, not {scope!r}")
@@ -167,6 +173,11 @@ def operator(
     for what, key in (("balance_by", balance_by), ("group_key", group_key)):
         if key is not None and key not in (inputs or {}):
             raise OperatorDeclarationError(f"operator {name!r}: {what}={key!r} is not one of its inputs")
+    if isinstance(headline, str) or not all(isinstance(m, str) and m for m in headline):
+        raise OperatorDeclarationError(f"operator {name!r}: headline is a tuple of metric names, not {headline!r}")
+    if tokens is not None and not isinstance(tokens, TokenMetrics):
+        raise OperatorDeclarationError(f"operator {name!r}: tokens is a TokenMetrics(mean=..., max=...), "
+                                       f"not {tokens!r}")
     if updates_role and not role:
         raise OperatorDeclarationError(f"operator {name!r}: updates_role needs a role")
 
@@ -203,6 +214,8 @@ def operator(
             state=state,
             balance_by=balance_by,
             group_key=group_key,
+            headline=tuple(headline),
+            tokens=tokens,
         )
         if register:
             REGISTRY.add_operator(spec)
@@ -212,4 +225,4 @@ def operator(
 
 
 __all__ = ["BY_REFERENCE", "NoParams", "Operator", "OperatorDeclarationError", "OperatorOutputError", "OperatorSpec",
-           "Params", "StateSpec", "find_operator", "operator"]
+           "Params", "StateSpec", "TokenMetrics", "find_operator", "operator"]
