@@ -133,8 +133,9 @@ def update(actor, batch, p: ActorUpdate):
     The train/inference mismatch — this update's log-probs against the
     sampler's (``rollout_log_probs``, or ``old_log_probs`` when the graph feeds
     the sampler's log-probs in as π_old) — is reported every step
-    (``actor/rollout_corr/*``, averaged over the update's micro-batches). With a
-    separate π_old (``logprob.old``), TIS / MIS correct it for the sampler.
+    (``actor/rollout_corr/*``: means over tokens or sequences and maxima, reduced as such over
+    micro-batches and ranks). With a separate π_old (``logprob.old``), TIS / MIS correct it for
+    the sampler.
     """
     if p.use_kl_loss and "ref_log_prob" not in batch:
         raise ValueError("use_kl_loss needs ref_log_prob: add a logprob.ref node to the graph")

@@ -173,7 +173,7 @@ def operator(
     for what, key in (("balance_by", balance_by), ("group_key", group_key)):
         if key is not None and key not in (inputs or {}):
             raise OperatorDeclarationError(f"operator {name!r}: {what}={key!r} is not one of its inputs")
-    if isinstance(headline, str) or not all(isinstance(m, str) and m for m in headline):
+    if not isinstance(headline, (tuple, list)) or not all(isinstance(m, str) and m for m in headline):
         raise OperatorDeclarationError(f"operator {name!r}: headline is a tuple of metric names, not {headline!r}")
     if tokens is not None and not isinstance(tokens, TokenMetrics):
         raise OperatorDeclarationError(f"operator {name!r}: tokens is a TokenMetrics(mean=..., max=...), "
