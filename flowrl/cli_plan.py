@@ -146,7 +146,8 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
                 pooled.setdefault(node, []).extend(xs)
     for plan, pooled in wider.values():
         world_factors(nodes, plan, pooled, base)
-    lengths = [r["response_length/max"] for _, _, rows in runs for r in rows if "response_length/max" in r]
+    longest = tokens.max if (tokens := graph.token_metrics()) is not None else None  # as the generator declares
+    lengths = [r[longest] for _, _, rows in runs for r in rows if longest in r]
     pools = [{p: c.workers for p, c in plan.graph.config.pools.items()} for plan, _, _ in runs]
     costs = CostFile(graph=graph.name, key=graph_key(graph), source=source, nodes=nodes, transfer=transfer,
                      roles=role_memory(graph), tokens_per_row=max(lengths, default=0.0),

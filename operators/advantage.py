@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from pydantic import AliasChoices, Field, model_validator
 
-from flowrl.data.metrics import maximum, minimum
+from flowrl.data.metrics import Metric, maximum, mean, minimum
 from flowrl.graph import Params, operator
 from operators.algos import (
     gae_advantages,
@@ -46,9 +46,11 @@ REWARDS = {"token_level_rewards": "float32[B, R]", "response_mask": "int64[B, R]
 GROUPED = {**REWARDS, "uid": "object[B]"}
 
 
-def _metrics(adv: torch.Tensor, ret: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def _metrics(adv: torch.Tensor, ret: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
+    """Means over the response tokens: weighted by their count where a step's tasks are reduced."""
     valid = mask.bool()
-    return {"critic/advantages/mean": adv[valid].mean(), "critic/returns/mean": ret[valid].mean()}
+    return {"critic/advantages/mean": mean(adv[valid].mean(), valid.sum()),
+            "critic/returns/mean": mean(ret[valid].mean(), valid.sum())}
 
 
 def _out(adv: torch.Tensor, ret: torch.Tensor, mask: torch.Tensor):

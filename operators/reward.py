@@ -35,7 +35,7 @@ RULE = dict(scope="row", node_name="reward", params=Rule, optional_inputs=("rewa
             inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "data_source": "object[B]",
                     "ground_truth": "object[B]", "extra_info": "object[B]", "reward_style": "object[B]",
                     "tokenizer": "meta"},
-            score="token_level_scores", dumped=("token_level_scores",))
+            score="token_level_scores", dumped=("token_level_scores",), headline=("reward/mean",))
 
 
 @operator("reward.rule", outputs={"token_level_scores": "float32[B, R]"}, **RULE, token_mask="response_mask")
@@ -145,6 +145,7 @@ def _auto_reward_covers_the_data(graph):
             "response_mask": "int64[B, R]"},
     outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),
     token_mask="response_mask",
+    headline=("reward/mean",),
 )
 def model(rm, batch, p):
     """A sequence classifier's scalar score of prompt+response, on the last response token."""

@@ -120,6 +120,28 @@ def test_user_operator_module_plugs_in_between_reward_and_advantage(tmp_path):
     assert g.nodes["length_penalty"].params.coef == 0.5
 
 
+def test_operators_declare_the_metrics_a_person_watches_and_the_one_counting_tokens(tmp_path):
+    from flowrl.graph import TokenMetrics, operator
+    from flowrl.graph.spec import OperatorDeclarationError
+
+    data = yaml.safe_load((HERE.parent / "graphs" / "ppo.yaml").read_text())  # the built-in operators
+    data["nodes"]["kl_reward"]["outputs"] = {"token_level_rewards": "kl_rewards"}
+    data["nodes"]["length_penalty"] = {"op": "tests.userpkg.length_penalty:length_penalty",
+                                       "inputs": {"token_level_scores": "kl_rewards"}}
+    g = load_graph(write(tmp_path, data))
+    # in the step's order (the penalty, last in the file, runs before the advantage); then validation's
+    assert g.headline_metrics() == ["response_length/mean", "reward/mean", "actor/reward_kl_penalty",
+                                    "reward/length_penalty", "critic/vf_loss", "actor/pg_loss", "actor/approx_kl",
+                                    "actor/entropy", "val/reward/mean"]
+    assert g.token_metrics() == TokenMetrics(mean="response_length/mean", max="response_length/max")
+    del data["nodes"]["generate"]  # nothing generates: nothing counts tokens
+    assert load_graph(write(tmp_path, data)).token_metrics() is None
+    with pytest.raises(OperatorDeclarationError, match="headline is a tuple of metric names"):
+        operator("t.one", headline="reward/mean", register=False)
+    with pytest.raises(OperatorDeclarationError, match=r"tokens is a TokenMetrics\(mean=..., max=...\)"):
+        operator("t.two", tokens="response_length/mean", register=False)
+
+
 def test_user_operator_runs_eagerly_with_its_math():
     from flowrl.data import DataProto
     from tests.userpkg.length_penalty import length_penalty

@@ -42,7 +42,7 @@ from flowrl.graph.declare import operator
 from flowrl.graph.ir import Graph, Node, StateEdge
 from flowrl.graph.load import builtin_graphs, load_graph
 from flowrl.graph.registry import REGISTRY, make_source, role_kind, source
-from flowrl.graph.spec import SOURCE, NoParams, OperatorOutputError, OperatorSpec, Params, StateSpec
+from flowrl.graph.spec import SOURCE, NoParams, OperatorOutputError, OperatorSpec, Params, StateSpec, TokenMetrics
 from flowrl.graph.trace import GraphBuilder, TracedBatch, graph
 
 __all__ = [
@@ -50,7 +50,7 @@ __all__ = [
     "GraphConfig", "GraphError", "GraphImportError", "GraphProblem", "GraphSyntaxError", "MissingProducerError", "Node",
     "NoParams", "OperatorOutputError", "OperatorSpec", "ParameterError", "Params", "PoolError", "REGISTRY",
     "Report", "ResourceError", "RoleError", "RoleWithoutPoolError", "SOURCE", "SchemaError", "StateEdge", "StateSpec",
-    "TracedBatch", "UnknownOperatorError", "UnusedOutputWarning", "builtin_graphs", "check", "graph",
+    "TokenMetrics", "TracedBatch", "UnknownOperatorError", "UnusedOutputWarning", "builtin_graphs", "check", "graph",
     "load_graph", "make_source", "operator", "role_kind", "source",
 ]
 

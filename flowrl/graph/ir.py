@@ -35,7 +35,7 @@ from flowrl.graph.checks import Report, check
 from flowrl.graph.config import GraphConfig, NodeConfig, RoleConfig
 from flowrl.graph.problems import BuildProblem, Location
 from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError, load_module, source_kind
-from flowrl.graph.spec import SOURCE, OperatorSpec, Params
+from flowrl.graph.spec import SOURCE, OperatorSpec, Params, TokenMetrics
 
 
 @dataclass
@@ -354,6 +354,18 @@ class Graph:
             if node.op is not None and node.op.score is not None:
                 return name, node.config.outputs.get(node.op.score, node.op.score)
         return None
+
+    def headline_metrics(self) -> list[str]:
+        """The metrics a person watches (the live view's headline): each node's declared ``headline``
+        in the step's order, then the scoring node's again under ``val/`` (what validation reports)."""
+        ops = [self.nodes[n].op for n in self.topological_order() if self.nodes[n].op is not None]
+        scorer = self.scorer()
+        val = [f"val/{m}" for m in self.nodes[scorer[0]].op.headline] if scorer else []
+        return list(dict.fromkeys([m for op in ops for m in op.headline] + val))
+
+    def token_metrics(self) -> TokenMetrics | None:
+        """Where the run reads the tokens generated per row: the first node's declared ``tokens``."""
+        return next((n.op.tokens for n in self.nodes.values() if n.op is not None and n.op.tokens), None)
 
     def topological_order(self) -> list[str]:
         """Nodes in a dependency order (declaration order breaks ties)."""

@@ -329,7 +329,8 @@ class Trainer:
         self._last_end = now
         if wall > 0:
             row["throughput/samples_per_s"] = self.samples_per_step / wall
-            if "response_length/mean" in row:
-                row["throughput/tokens_per_s"] = self.samples_per_step * row["response_length/mean"] / wall
+            tokens = self.graph.token_metrics()  # the operator that generates says which metric counts
+            if tokens is not None and tokens.mean in row:
+                row["throughput/tokens_per_s"] = self.samples_per_step * row[tokens.mean] / wall
         row.update(self.plan_check.observe(row))
         return row

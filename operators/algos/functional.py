@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flowrl.data.metrics import Metric, mean
+
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``log softmax(logits)[..., label]``: ``logits[..., V]``, ``labels[...]`` → ``[...]`` in fp32."""
@@ -58,6 +60,26 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     """
     count = mask.sum() if dim is None else mask.sum(dim)
     return masked_sum(values, mask, dim) / count.clamp(min=1e-8)
+
+
+def token_mean(values: torch.Tensor, mask: torch.Tensor) -> Metric:
+    """A metric: the mean of ``values`` over the tokens under ``mask``, declared a mean over those
+    tokens, so that micro-batches and ranks reduce it weighted by their token counts.
+
+    Example::
+
+        >>> m = token_mean(torch.tensor([[1.0, 2.0], [4.0, 0.0]]), torch.tensor([[1, 1], [1, 0]]))
+        >>> float(m), m.weight
+        (2.3333332538604736, 3.0)
+    """
+    return mean(masked_mean(values, mask), mask.sum())
+
+
+def sequence_mean(values: torch.Tensor, sequences: torch.Tensor | None = None) -> Metric:
+    """A metric: the mean of per-sequence ``values`` ``[B]`` over the sequences ``sequences`` selects
+    (all by default), declared a mean over those sequences (0 with no weight when there are none)."""
+    chosen = torch.ones_like(values, dtype=torch.bool) if sequences is None else sequences.bool()
+    return mean(values[chosen].float().mean() if chosen.any() else 0.0, chosen.sum())
 
 
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
