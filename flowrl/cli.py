@@ -25,7 +25,7 @@ import typer
 from rich.console import Console
 
 from flowrl import cli_debug
-from flowrl.runtime.ray_start import prestart
+from flowrl.runtime.ray_start import exit_now, prestart
 
 if TYPE_CHECKING:
     from flowrl.graph.checks import GraphProblem
@@ -280,10 +280,17 @@ def run(
     from flowrl.runtime.backends import BACKENDS
     from flowrl.errors import RuntimeFailure
     from flowrl.run.trainer import Trainer
+    from flowrl.store.rundir import RunDirectory, run_dir_of
     from visualizer.live import LiveView
 
     if backend not in BACKENDS:
         fail(f"--backend {backend}: not a backend; use one of {', '.join(sorted(BACKENDS))}", 2)
+    try:  # what needs no Ray is refused before the run waits on Ray's start
+        RunDirectory(run_dir_of(g.config, out)).check(resume=resume, overwrite=overwrite)
+    except RuntimeFailure as e:
+        err_console.print(f"[bold red]run failed[/] {_escape(str(e))}")
+        exit_now(1)
+        raise typer.Exit(1) from None
     total = steps if steps is not None else g.config.trainer.steps
     trainer = None
     try:

@@ -597,3 +597,17 @@ def test_a_checkpoint_that_cannot_prove_itself_falls_back_naming_why(two_checkpo
     _, meta, path = store.load_latest(warn=warned.append)
     assert path == older and meta["step"] == 1
     assert len(warned) == 1 and newest.name in warned[0] and says in warned[0]
+
+
+def test_a_refusal_that_needs_no_ray_comes_before_ray_starts(tmp_path):
+    """A ray run over another run's directory is refused before anything waits on Ray: pointed at a Ray
+    address nobody answers, it says the run directory's refusal, never the Ray cluster's."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    res = cli("run", "grpo", "--address", "127.0.0.1:1", "--out", str(tmp_path / "run"), *TINY_SET)
+    both = flat(res.stdout + res.stderr)
+    assert res.returncode == 1 and "already holds a run (metrics.jsonl)" in both and "Traceback" not in both
+    assert "cannot reach the Ray cluster" not in both
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing lost
+    res = cli("run", "grpo", "--resume", "--address", "127.0.0.1:1", "--out", str(tmp_path / "empty"), *TINY_SET)
+    assert res.returncode == 1 and "nothing to resume" in flat(res.stdout + res.stderr)

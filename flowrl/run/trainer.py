@@ -54,7 +54,7 @@ from flowrl.recovery.restarts import RollbackNeeded
 from flowrl.provenance.fingerprints import FingerprintLog
 from flowrl.errors import RuntimeFailure
 from flowrl.provenance.record import Recorder
-from flowrl.store.rundir import RunDirectory
+from flowrl.store.rundir import RunDirectory, run_dir_of
 from flowrl.store.runlog import RUN_LOG, record_failure
 from flowrl.runtime.scheduler import Runtime, StepResult
 from flowrl.store.sinks import open_sinks, read_metrics
@@ -88,7 +88,7 @@ class Trainer:
         self.graph = graph
         cfg = graph.config
         self.steps = steps if steps is not None else cfg.trainer.steps
-        self.out = Path(out or cfg.trainer.out or f"runs/{cfg.name}")
+        self.out = run_dir_of(cfg, out)
         self.trace = Path(trace) if trace else None
         self.on_step = on_step
         # the fields the graph's operators declare worth dumping (dumped=...)

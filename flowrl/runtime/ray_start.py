@@ -106,6 +106,18 @@ def prestart(backend: str, address: str | None = None) -> None:
         begin(address)
 
 
+def exit_now(code: int) -> None:
+    """End this process with ``code`` without waiting for a Ray start in flight (``flowrl run`` refusing
+    before its run began: Ray's own exit would first wait for its start, a minute on a busy machine).
+    Ray's servers die with the thread that started them; nothing of the run was written."""
+    if _PENDING is not None and (not _PENDING._done.is_set() or _PENDING.started_ray):
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def take(address: str | None) -> RayStart:
     """The start :func:`begin` made for ``address`` (or a new one), now owned by the caller."""
     global _PENDING
@@ -197,4 +209,4 @@ def _reachable(address: str, origin: str, timeout_s: float = RAY_REACH_S) -> Non
                              f"it, fix the address, or unset RAY_ADDRESS to run on a local Ray") from None
 
 
-__all__ = ["RayStart", "RayStartError", "begin", "prestart", "take"]
+__all__ = ["RayStart", "RayStartError", "begin", "exit_now", "prestart", "take"]

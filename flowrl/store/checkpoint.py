@@ -193,6 +193,11 @@ class CheckpointStore:
                    "weights": weights}
         return payload, meta
 
+    def nothing_to_resume(self) -> CheckpointError:
+        """The error of a ``--resume`` that finds no complete checkpoint here."""
+        return CheckpointError(f"no complete checkpoint in {self.root}; nothing to resume (checkpoints are written "
+                               f"every trainer.checkpoint_every steps and at the end of a run; start without --resume)")
+
     def load_latest(
         self,
         warn: Callable[[str], None] = print,
@@ -206,9 +211,7 @@ class CheckpointStore:
         """
         candidates = self.complete()
         if not candidates:
-            raise CheckpointError(f"no complete checkpoint in {self.root}; nothing to resume "
-                                  f"(checkpoints are written every trainer.checkpoint_every steps and at the "
-                                  f"end of a run; start without --resume)")
+            raise self.nothing_to_resume()
         reasons = []
         for path in candidates:
             try:
