@@ -6,6 +6,7 @@ import pytest
 
 from flowrl.graph import load_graph
 from flowrl.recovery.faults import FAULT_ENV
+from flowrl.recovery.recovery import Recovery
 from flowrl.runtime.scheduler import Runtime
 from tests.test_on_error import BIG, prompts
 
@@ -30,11 +31,11 @@ def runs(ray_session):
                 mp.delenv(FAULT_ENV, raising=False)
             else:
                 mp.setenv(FAULT_ENV, fault)
-            rt = Runtime(g, backend="ray", resources=BIG)
+            rt = Runtime(g, backend="ray", resources=BIG, recovery=Recovery())
             try:
                 # a checkpoint behind the step the worker died in: taken after the tasks run again
                 results = list(rt.run(iter(prompts(g, STEPS)), steps=STEPS, checkpoint=lambda t: t == 4))
-                out[name] = ([r.metrics for r in results], list(rt.restarts.events), dict(rt.backend.pids),
+                out[name] = ([r.metrics for r in results], list(rt.recovery.restarts.events), dict(rt.backend.pids),
                              {k: s["versions"] for k, s in results[4].checkpoint["workers"].items()})
             finally:
                 rt.close()

@@ -149,7 +149,9 @@ def test_a_task_queued_behind_slow_work_is_not_timed_out(tmp_path):
     # values[1] waits ~0.8 s behind values[0] on the critic pool: queued, not running past 0.5 s
     g = graph_from("ppo.yaml", tmp_path, nodes__values={"op": "test.values", "role": "critic", "sleep_s": 0.4,
                                                        "timeout_s": 0.5})
-    with Runtime(g, backend="local", resources=BIG) as rt:
+    from flowrl.recovery.recovery import Recovery
+
+    with Runtime(g, backend="local", resources=BIG, recovery=Recovery()) as rt:  # the watchdog on
         r = rt.run_step(next(batches(4)))
     assert r.metrics["timing/values"] >= 0.8
 

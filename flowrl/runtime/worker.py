@@ -28,7 +28,7 @@ from flowrl.graph.config import OnErrorConfig
 from flowrl.store.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.errors import NodeError, RunError, StalenessError
-from flowrl.recovery.faults import Fault, Injector, RefillNeeded, run_guarded
+from flowrl.recovery.faults import Fault, Injector, RefillNeeded, fault_from_env, run_guarded
 from flowrl.runtime.hangs import thread_stacks
 from flowrl.provenance.fingerprints import WeightDigests, source_prints, source_readers, task_prints
 from flowrl.plan.pools import RoleBuild
@@ -71,9 +71,10 @@ class NodeEntry:
     source_inputs: tuple[str, ...] = ()  # the data-source fields it is the first to read (it fingerprints them)
 
 
-def node_entries(plan: Plan, fault: Fault | None = None) -> dict[str, NodeEntry]:
-    """What workers need to run each node of ``plan``'s graph (``fault``: the fault switch)."""
+def node_entries(plan: Plan) -> dict[str, NodeEntry]:
+    """What workers need to run each node of ``plan``'s graph, the fault switch read here, in the driver."""
     graph = plan.graph
+    fault = fault_from_env()
     printed = source_readers(graph)
     return {
         n: NodeEntry(node.op, node.params, node.role,
