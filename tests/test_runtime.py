@@ -219,6 +219,29 @@ def test_run_step_can_be_called_repeatedly():
     assert second.data.batch["policy_version"].tolist() == [1] * 4
 
 
+def test_driver_step_hooks_see_every_step_its_row_and_its_fields():
+    from flowrl.runtime.steps import StepHook
+
+    class Seen(StepHook):
+        def __init__(self) -> None:
+            self.rows: list[dict] = []
+            self.versions: list[list[int]] = []
+
+        def step_done(self, done) -> None:
+            done.row["hook/seen"] = 1.0  # a hook adds to the row the hooks after it see
+            self.rows.append(dict(done.row))
+            self.versions.append(done.read(["policy_version"]).batch["policy_version"].tolist())
+
+    first, second = Seen(), Seen()
+    g = load_graph(HERE / "data" / "ppo.yaml")
+    with Runtime(g, backend="local", resources=BIG, hooks=[first, second]) as rt:
+        results = list(rt.run(batches(4), steps=3))
+    assert [r["step"] for r in first.rows] == [1, 2, 3] and first.versions == [[0] * 4, [1] * 4, [2] * 4]
+    assert second.rows == first.rows and all(r["hook/seen"] == 1.0 for r in second.rows)
+    assert [r.data for r in results] == [None] * 3  # nothing fetched for the caller: the hooks read their own
+    assert [r["critic/vf_loss"] for r in first.rows] == [r.metrics["critic/vf_loss"] for r in results]
+
+
 def test_declared_order_runs_each_pool_as_written(tmp_path):
     g = graph_from("ppo.yaml", tmp_path, schedule__order="declared")
     train = make_plan(g).pool_order["train"]
