@@ -121,7 +121,8 @@ class Trainer:
         #: the metrics rows of this run (the last ``history_limit``)
         self.history: list[dict[str, float]] = []
         self.sinks = MetricsSinks(self.out, cfg, say, self.history, history_limit)
-        self.runtime.hooks[:] = self._hooks(show_startup)
+        #: the driver-step hooks, attached to the runtime while :meth:`run` runs
+        self.hooks = self._hooks(show_startup)
 
     def _hooks(self, show_startup: bool) -> list[StepHook]:
         """The driver-step hooks of the run, in order (:mod:`flowrl.run.hooks`)."""
@@ -160,6 +161,7 @@ class Trainer:
             stop_early(self.runtime.backend)  # workers asked for early that no step came to use
 
     def _run(self) -> list[dict[str, float]]:
+        self.runtime.hooks[:] = self.hooks
         self.runtime.start()  # ray.init installs a SIGTERM handler of its own: ours go in after it
         start = self.resume() if self.resuming else self._rewind(0)
         (self.out / "config.yaml").write_text(yaml.safe_dump(self.graph.config.dump(), sort_keys=False))
@@ -180,8 +182,9 @@ class Trainer:
         except CheckpointError as e:  # e.g. a full disk while the ranks wrote their shards
             raise CheckpointError(str(getattr(e, "cause", None) or e)) from None  # a worker's: its message
         finally:
-            for hook in self.runtime.hooks:
+            for hook in self.hooks:
                 hook.close()
+            self.runtime.hooks.clear()
             restore_signals()
         if self.stopped:
             self.say(f"stopped after step {done + 1}; checkpoint saved, continue with --resume")
@@ -200,13 +203,13 @@ class Trainer:
 
     def _rewind(self, step: int) -> int:
         """Open every hook at 0-based ``step``, cutting back what they wrote for later steps; ``step``."""
-        for hook in self.runtime.hooks:
+        for hook in self.hooks:
             hook.rewind(step)
         return step
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, step: int, payload: dict[str, Any]) -> None:
-        for hook in self.runtime.hooks:  # what they wrote is on disk before the checkpoint that continues it
+        for hook in self.hooks:  # what they wrote is on disk before the checkpoint that continues it
             hook.sync()
         dump = self.graph.config.dump()
         meta = {"graph": fingerprint(dump), "workers": worker_counts(dump), "name": self.graph.name,
