@@ -12,6 +12,7 @@ import tests.graph_ops as ops
 from flowrl.graph.config import ScheduleConfig
 from flowrl.recovery import faults
 from flowrl.errors import NodeTimeoutError
+from flowrl.recovery.recovery import Recovery
 from flowrl.runtime.scheduler import Runtime
 from tests.test_runtime import BIG, batches, graph_from
 
@@ -27,7 +28,7 @@ SLEEP = f'graph_ops.py", line {_line_of(ops.fault.fn if hasattr(ops.fault, "fn")
 def _hang(backend: str, tmp_path, fault: str | None = None, **node) -> NodeTimeoutError:
     g = graph_from("ppo.yaml", tmp_path, nodes__fault={"op": "test.fault", "role": "critic", "mode": "hang",
                                                       "timeout_s": 1.0, **node}, trainer__fault=fault)
-    rt = Runtime(g, backend=backend, resources=BIG)
+    rt = Runtime(g, backend=backend, resources=BIG, recovery=Recovery())
     try:
         with pytest.raises(NodeTimeoutError) as exc:
             list(rt.run(batches(4), steps=1))
@@ -56,7 +57,7 @@ def test_the_fault_switch_hangs_a_chosen_node_and_the_stack_names_it(tmp_path):
 
 def test_a_stopped_worker_is_named_as_stopped(ray_session, tmp_path):
     g = graph_from("ppo.yaml", tmp_path, nodes__values={"op": "test.values", "role": "critic", "timeout_s": 2.0})
-    rt = Runtime(g, backend="ray", resources=BIG).start()
+    rt = Runtime(g, backend="ray", resources=BIG, recovery=Recovery()).start()
     pid = rt.backend.pids[("critic", 0)]
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -99,7 +100,7 @@ def test_a_weight_sync_past_the_default_timeout_is_named_with_the_stack(tmp_path
 def test_a_checkpoint_state_that_never_comes_is_named():
     import concurrent.futures as cf
 
-    from flowrl.recovery.watchdog import get_within
+    from flowrl.runtime.hangs import get_within
 
     with pytest.raises(NodeTimeoutError) as exc:
         get_within(lambda h, timeout: h.result(timeout=timeout), cf.Future(), 0.05, "the state of gen[0]")
@@ -116,7 +117,7 @@ def test_a_rank_that_never_reaches_the_collective_is_named_and_the_node_marked_s
     g = load_graph("grpo", overrides={**TWO, "nodes.generate.timeout_s": 2,
                                       "trainer.fault": "node=generate,step=1,rank=1,kind=hang"})
     progress: list[dict[str, str]] = []
-    rt = Runtime(g, backend="ray", on_progress=lambda step, states: progress.append(states))
+    rt = Runtime(g, backend="ray", on_progress=lambda step, states: progress.append(states), recovery=Recovery())
     try:
         with pytest.raises(TaskTimeout) as exc:
             list(rt.run(iter(batches_of(g)), steps=1))

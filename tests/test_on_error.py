@@ -13,6 +13,7 @@ from flowrl.graph.config import OnErrorConfig
 from flowrl.graph.registry import make_source
 from flowrl.errors import NodeError
 from flowrl.recovery.faults import FaultSpecError, parse_fault, run_guarded
+from flowrl.recovery.recovery import Recovery
 from flowrl.runtime.scheduler import Runtime
 
 BIG = {"CPU": 64.0, "GPU": 0.0}
@@ -199,7 +200,8 @@ def test_refill_replaces_the_failed_prompts_with_fresh_ones_and_keeps_every_grou
     g = grpo(**REFILL)
     full = prompts(g, 2)
     bad = [sum(faulty.fails(t) for t in b.non_tensor_batch["ground_truth"]) for b in full]
-    with Runtime(g, backend=backend, resources=BIG, fetch=["uid", "ground_truth", "token_level_scores"]) as rt:
+    with Runtime(g, backend=backend, resources=BIG, fetch=["uid", "ground_truth", "token_level_scores"],
+                 recovery=Recovery()) as rt:
         results = list(rt.run(iter(full), steps=2))
     for r, b, n_bad in zip(results, full, bad):
         assert r.metrics["faults/refilled_groups"] >= n_bad > 0

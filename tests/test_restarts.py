@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowrl.graph import load_graph
+from flowrl.recovery.recovery import Recovery
 from flowrl.runtime.scheduler import Runtime
 from tests.test_on_error import BIG, prompts
 
@@ -23,11 +24,11 @@ def runs(ray_session):
     out = {}
     for name, fault in (("clean", None), ("killed", "node=generate,step=5,kind=kill")):
         g = load_graph("grpo_async", overrides={**SMALL, "pools.gen.max_restarts": 1, "trainer.fault": fault})
-        rt = Runtime(g, backend="ray", resources=BIG)
+        rt = Runtime(g, backend="ray", resources=BIG, recovery=Recovery())
         try:
             # a checkpoint behind the step the worker died in: taken after the tasks run again
             results = list(rt.run(iter(prompts(g, STEPS)), steps=STEPS, checkpoint=lambda t: t == 4))
-            out[name] = ([r.metrics for r in results], list(rt.restarts.events), dict(rt.backend.pids),
+            out[name] = ([r.metrics for r in results], list(rt.recovery.restarts.events), dict(rt.backend.pids),
                          {k: s["versions"] for k, s in results[4].checkpoint["workers"].items()})
         finally:
             rt.close()

@@ -44,6 +44,7 @@ from flowrl.errors import RuntimeFailure
 from flowrl.plan.planner import Plan, make_plan
 from flowrl.runtime.reads import union_columns
 from flowrl.provenance.record import Record, RecordError, read_record
+from flowrl.recovery.recovery import Recovery
 from flowrl.plan.rowspace import input_space
 from flowrl.runtime.scheduler import Runtime
 from flowrl.store.sinks import read_metrics
@@ -187,7 +188,7 @@ class Replay:
         if report.errors:
             raise ReplayError(f"the replayed part of the graph does not check: {report.errors[0]}")
         rt = Runtime(sub, backend=make_backend(self.backend, self.address),
-                     stage=CheckpointStore(stage).path)
+                     stage=CheckpointStore(stage).path, recovery=Recovery())  # the watchdog on
         _same_cuts(run_plan, rt.plan)
         return rt, batches
 

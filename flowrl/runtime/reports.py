@@ -36,7 +36,10 @@ class StepResult:
     checkpoint: dict[str, Any] | None = None  # states taken right after this step (see Runtime.run)
     val_metrics: dict[str, float] | None = None  # validation right after this step
     syncs: list[Info] = field(default_factory=list)  # weight loads on other pools this step waited on
-    records: dict[str, DataProto] | None = None  # recorded nodes' outputs (flowrl.provenance.record)
+
+    def row(self) -> dict[str, Any]:
+        """The step's metrics row as the sinks write it: ``step`` (1-based), its metrics, validation's."""
+        return {"step": self.step + 1, **self.metrics, **(self.val_metrics or {})}
 
     @property
     def efficiency(self) -> float:
