@@ -130,8 +130,8 @@ def test_every_default_time_limit_is_the_tables():
     from flowrl.plan.planner import make_plan
     from flowrl.runtime.distributed import PoolGroup
     from flowrl.runtime.hangs import STACKS_TIMEOUT_S
-    from flowrl.runtime.local import LocalBackend
-    from flowrl.runtime.ray_backend import RayBackend
+    from flowrl.runtime.local import LocalSupervisor
+    from flowrl.runtime.ray_backend import RayBackend, RaySupervisor
     from flowrl.runtime.worker import Worker
     from operators.rollout.conversation import AgentConfig
 
@@ -145,6 +145,6 @@ def test_every_default_time_limit_is_the_tables():
     assert default(PoolGroup.join, "timeout_s") == default(Worker.join_group, "timeout_s") == T.COLLECTIVE_S
     assert default(PoolGroup.join, "join_timeout_s") == T.GROUP_JOIN_S
     assert default(RayBackend.__init__, "placement_timeout_s") == T.PLACEMENT_S
-    assert STACKS_TIMEOUT_S == default(LocalBackend.stacks, "timeout") == default(RayBackend.stacks, "timeout")
+    assert STACKS_TIMEOUT_S == default(LocalSupervisor.stacks, "timeout") == default(RaySupervisor.stacks, "timeout")
     assert STACKS_TIMEOUT_S == T.STACKS_S
     assert AgentConfig().tool_timeout_s == T.TOOL_CALL_S

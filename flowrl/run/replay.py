@@ -42,7 +42,7 @@ from flowrl.store.checkpoint import CheckpointStore, UnreadableCheckpoint, diffe
 from flowrl.store.dumps import graph_fields
 from flowrl.errors import RuntimeFailure
 from flowrl.plan.planner import Plan, make_plan
-from flowrl.runtime.reads import union_columns
+from flowrl.plan.reads import union_columns
 from flowrl.provenance.record import Record, RecordError, read_record
 from flowrl.recovery.recovery import Recovery
 from flowrl.plan.rowspace import input_space

@@ -38,7 +38,7 @@ from flowrl.plan.planner import Plan, Task, TaskKey, make_plan
 from flowrl.plan.staleness import Versions, window
 from flowrl.runtime.backends import Backend, make_backend
 from flowrl.runtime.hangs import get_within
-from flowrl.runtime.reads import fetched, task_input
+from flowrl.plan.reads import fetched, task_input
 from flowrl.runtime.reports import StepResult, node_states, pipeline_metrics, step_metrics
 from flowrl.runtime.steps import (Fail, FinishedStep, Guard, Outcome, RollBack, StepHook, StepRun, Where, forget,
                                   hand_back_state, lost_tasks, report_status)
