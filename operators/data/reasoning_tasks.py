@@ -162,7 +162,7 @@ class ReasoningGymRows(Sequence[dict]):
 
 
 def sample_rows(task: str, config: Mapping[str, Any], *, seed: int, size: int, split: Split,
-                sample: int = 8) -> list[dict[str, Any]]:
+                sample: int = 4) -> list[dict[str, Any]]:
     """The first ``sample`` rows: what ``flowrl validate`` reads to check the prompts against a tokenizer."""
     rows = ReasoningGymRows(task, config, seed=seed, size=size, split=split)
     return [rows[i] for i in range(min(sample, size))]
