@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from operators.algos.functional import chunked_token_stats
+from operators.models.fsdp import is_dtensor
 from operators.models.vision import VisionInputs, rope_positions, without_vision_tokens
 
 
@@ -82,9 +83,16 @@ def response_log_probs_and_sum_pi_squared(
 
 def _response_stats(model, input_ids, attention_mask, position_ids, response_length, temperature, vision,
                     **which: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    hidden, real = response_hidden(model, input_ids, attention_mask, position_ids, response_length, vision)
-    rows, width = hidden.shape[:2]
     head = lm_head(model)
+    if is_dtensor(head.linear.weight):
+        # FSDP2 reshards the root's parameters (the LM head's among them) when its forward ends: the
+        # head must run inside it, so a sharded model's logits come whole and the chunks only read them
+        hidden, real = response_hidden(model, input_ids, attention_mask, position_ids, response_length, vision,
+                                       logits=True)
+        head = LMHead(torch.nn.Identity(), head.vocab_size)
+    else:
+        hidden, real = response_hidden(model, input_ids, attention_mask, position_ids, response_length, vision)
+    rows, width = hidden.shape[:2]
     real_flat = None if real is None else real.reshape(-1, 1)
 
     def logits_of(h: torch.Tensor, at: slice) -> torch.Tensor:
@@ -107,6 +115,7 @@ def response_hidden(
     position_ids: torch.Tensor,
     response_length: int,
     vision: VisionInputs | None = None,
+    logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(hidden[B, R, H], real[B, R] or None)``: the last hidden states (what the LM head reads) at the
     positions that predict the response tokens, and which of them are a row's real tokens (None: all
@@ -115,7 +124,8 @@ def response_hidden(
     The model runs its own forward (its wrappers' hooks, e.g. FSDP's gathers, run as they should) with
     the LM head on one position only; its last hidden states are the head's input. With ``vision``, the
     model also reads the rows' pixels, and its positions come from its own rope index over the image
-    grids (``[3, B, T]``) instead of ``position_ids``.
+    grids (``[3, B, T]``) instead of ``position_ids``. ``logits=True``: the LM head's outputs
+    ``[B, R, V]`` instead of its inputs.
     """
     extra = {}
     if vision is not None:
@@ -123,16 +133,20 @@ def response_hidden(
         extra = vision.model_kwargs(model)
     packed = pack_rows(attention_mask, response_length)
     if packed is None:
-        hidden = _last_hidden(model, input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids, **extra)
+        hidden = _last_states(model, response_length + 1, logits, input_ids=input_ids,
+                              attention_mask=attention_mask, position_ids=position_ids, **extra)
         return hidden[:, -response_length - 1:-1], None
     # the LM head reads from the first column that predicts a response token in any row
     keep = packed.width - int(packed.read.min())
-    hidden = _last_hidden(model, input_ids=packed.take(input_ids), position_ids=packed.take(position_ids), **extra)
+    hidden = _last_states(model, keep, logits, input_ids=packed.take(input_ids),
+                          position_ids=packed.take(position_ids), **extra)
     return packed.read_out(hidden[:, -keep:], keep, fill=False), packed.real
 
 
-def _last_hidden(model: torch.nn.Module, **inputs: torch.Tensor) -> torch.Tensor:
+def _last_states(model: torch.nn.Module, keep: int, logits: bool, **inputs: torch.Tensor) -> torch.Tensor:
+    """The last hidden states of every position (the LM head run on one), or the logits of the last ``keep``."""
+    if logits:
+        return model(**inputs, logits_to_keep=keep).logits
     return model(**inputs, logits_to_keep=1, output_hidden_states=True).hidden_states[-1]
 
 
