@@ -21,6 +21,7 @@ from operators.rewards import (TASK_REWARDS, auto_reward_fn, compute_scores, ext
 
 class Rule(Params):
     fn: str = Field("auto", description="auto (by data_source), a task name, task_eos, gsm8k, exact, partial, "
+                                        "reasoning_gym, "
                                         "or pkg.mod:fn / file.py:fn with verl's compute_score signature")
     batched: bool = Field(False, description="call fn once per batch: fn(data_sources=, solution_strs=, "
                                              "ground_truths=, extra_infos=) -> one float or dict per response")
