@@ -29,7 +29,6 @@ import _common  # noqa: F401  (repository on sys.path, one torch thread)
 from _common import print_table
 
 import flowrl.provenance.fingerprints as fingerprints
-import flowrl.runtime.worker as worker
 from flowrl.graph import load_graph
 from flowrl.provenance.fingerprints import FingerprintLog
 from flowrl.run.trainer import Trainer
@@ -52,8 +51,8 @@ def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def instrument() -> None:
     """Time every fingerprint call: the worker's (same process on the local backend) and the driver's."""
-    for name in ("task_prints", "source_prints"):
-        setattr(worker, name, timed(getattr(worker, name)))
+    for name in ("task_prints", "source_prints"):  # called by the worker's FingerprintHook, by module name
+        setattr(fingerprints, name, timed(getattr(fingerprints, name)))
     fingerprints.role_weights = timed(fingerprints.role_weights)  # looked up by WeightDigests at each call
     FingerprintLog.step = timed(FingerprintLog.step)
 

@@ -15,18 +15,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import sys
 from pathlib import Path
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
 
 from flowrl import cli_debug
-from flowrl.runtime.ray_start import prestart
+from flowrl.runtime.ray_start import exit_now, prestart
 
 if TYPE_CHECKING:
     from flowrl.graph.checks import GraphProblem
@@ -47,8 +46,6 @@ def _make_console(stderr: bool = False) -> Console:
 
 console = _make_console()
 err_console = _make_console(stderr=True)
-#: colour codes inside messages (a Ray error carries them); never written off a terminal
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 class VizFormat(str, Enum):
@@ -60,6 +57,15 @@ class VizFormat(str, Enum):
 
 parse_overrides = cli_debug.parse_overrides  # flowrl replay takes --set too
 
+#: the fault switch's environment variable: an alias of ``flowrl run --fault``, read by that command
+#: alone, once (the runtime reads no environment; the switch is the graph's ``trainer.fault``)
+FAULT_ENV = "FLOWRL_FAULT"
+
+
+def _count(n: int, noun: str) -> str:
+    """``1 pool``, ``2 pools``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
 
 def _print_problems(problems: list[GraphProblem], warnings: list[GraphProblem]) -> None:
     for p in problems:
@@ -68,10 +74,12 @@ def _print_problems(problems: list[GraphProblem], warnings: list[GraphProblem]) 
         err_console.print(f"[yellow]warning[/] [yellow]\\[{w.title}][/] {_escape(str(w))}")
 
 
-def _escape(text: str) -> str:
-    from rich.markup import escape
+_escape = cli_debug.plain
 
-    return escape(ANSI.sub("", text))
+
+def fail(message: str, code: int = 1, label: str = "") -> NoReturn:
+    """One error line on the command's stderr console, then exit ``code`` (:func:`flowrl.cli_debug.fail`)."""
+    cli_debug.fail(message, code, err_console, label)
 
 
 def _load(ref: str, overrides: dict[str, Any] | None = None):
@@ -84,9 +92,10 @@ def _load(ref: str, overrides: dict[str, Any] | None = None):
         raise typer.Exit(1) from None
 
 
-def _load_checked(ref: str, set_: list[str] | None):
-    """A graph that passed every check (else its problems are printed and the command exits 1)."""
-    g = _load(ref, parse_overrides(set_))
+def _load_checked(ref: str, set_: list[str] | None, more: dict[str, Any] | None = None):
+    """A graph that passed every check (else its problems are printed and the command exits 1);
+    ``more``: overrides set by other options than ``--set``."""
+    g = _load(ref, {**parse_overrides(set_), **(more or {})})
     report = g.check()
     if not report.ok:
         _print_problems(report.errors, report.warnings)
@@ -117,8 +126,8 @@ def validate(
         err_console.print(f"[bold red]{g.name}: {n} error{'s' if n != 1 else ''}[/]")
         raise typer.Exit(1)
     console.print(
-        f"[bold green]ok[/] {g.name}: {len(g.nodes)} nodes, {g.dag.number_of_edges()} edges, "
-        f"{len(g.config.pools)} pools, {len(report.warnings)} warning(s)"
+        f"[bold green]ok[/] {g.name}: {_count(len(g.nodes), 'node')}, {_count(g.dag.number_of_edges(), 'edge')}, "
+        f"{_count(len(g.config.pools), 'pool')}, {_count(len(report.warnings), 'warning')}"
     )
 
 
@@ -190,23 +199,20 @@ def _plan(g, backend: str, label: str = ""):
     try:
         traits = traits_of(backend)
     except ValueError as e:
-        err_console.print(f"[bold red]error[/] --backend: {_escape(str(e))}")
-        raise typer.Exit(2) from None
+        fail(f"--backend: {e}", 2)
     try:
         return make_plan(g, traits)
     except PlanError as e:
-        err_console.print(f"[bold red]error[/] {label}{_escape(str(e))}")
-        raise typer.Exit(1) from None
+        fail(str(e), 1, label)
 
 
 def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
-    """Median ``timing/<node>`` per node over a run's metrics.jsonl."""
-    import statistics
+    """Each node's measured seconds per step over a run's metrics.jsonl (:func:`~flowrl.plan.costfit.node_seconds`)."""
+    from flowrl.plan.costfit import node_seconds
 
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
-        err_console.print(f"[bold red]error[/] --measured: no metrics at {_escape(str(path))}")
-        raise typer.Exit(1)
+        fail(f"--measured: no metrics at {path}")
     from flowrl.store.sinks import MetricsFileError, read_metrics
 
     def warn(msg: str) -> None:
@@ -215,10 +221,8 @@ def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
     try:
         rows = [row for _, row in read_metrics(path, warn=warn)]
     except MetricsFileError as e:
-        err_console.print(f"[bold red]error[/] --measured: {_escape(str(e))}")
-        raise typer.Exit(1) from None
-    costs = {n: statistics.median(r[f"timing/{n}"] for r in rows if f"timing/{n}" in r)
-             for n in nodes if any(f"timing/{n}" in r for r in rows)}
+        fail(f"--measured: {e}")
+    costs = node_seconds(rows, nodes)
     missing = [n for n in nodes if n not in costs]
     if missing:
         err_console.print(f"[yellow]warning[/] no measured time for {', '.join(missing)}; using declared costs")
@@ -260,25 +264,33 @@ def run(
     verbose: bool = typer.Option(
         False, "-v", "--verbose",
         help="after the first step, print the start-up timeline (which process did what, when)"),
+    fault: Optional[str] = typer.Option(
+        None, "--fault", help="inject a failure, for tests and rehearsals: node=reward,step=3,rank=0,"
+        f"kind=raise|hang|kill,mb=0,times=1 (sets trainer.fault; default: {FAULT_ENV} when set)"),
 ) -> None:
     """Train: run the graph for trainer.steps steps, printing and recording metrics."""
     if resume and overwrite:
-        err_console.print("[bold red]error[/] --resume continues the run in the directory and --overwrite "
-                          "replaces it: give one of them")
-        raise typer.Exit(2)
+        fail("--resume continues the run in the directory and --overwrite replaces it: give one of them", 2)
     if ray_listen_all:
         os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
     prestart(backend, address)  # Ray starts on a thread: its seconds overlap loading the graph
-    g = _load_checked(graph, set_)  # before the runtime's imports: a wrong graph is said at once
+    fault = fault if fault is not None else os.environ.get(FAULT_ENV, "").strip() or None
+    # before the runtime's imports: a wrong graph is said at once
+    g = _load_checked(graph, set_, {"trainer.fault": fault} if fault else None)
     from flowrl.runtime.backends import BACKENDS
     from flowrl.errors import RuntimeFailure
     from flowrl.run.trainer import Trainer
+    from flowrl.store.rundir import RunDirectory, run_dir_of
     from visualizer.live import LiveView
 
     if backend not in BACKENDS:
-        err_console.print(f"[bold red]error[/] --backend {_escape(backend)!s}: not a backend; "
-                          f"use one of {', '.join(sorted(BACKENDS))}")
-        raise typer.Exit(2)
+        fail(f"--backend {backend}: not a backend; use one of {', '.join(sorted(BACKENDS))}", 2)
+    try:  # what needs no Ray is refused before the run waits on Ray's start
+        RunDirectory(run_dir_of(g.config, out)).check(resume=resume, overwrite=overwrite)
+    except RuntimeFailure as e:
+        err_console.print(f"[bold red]run failed[/] {_escape(str(e))}")
+        exit_now(1)
+        raise typer.Exit(1) from None
     total = steps if steps is not None else g.config.trainer.steps
     trainer = None
     try:
@@ -297,8 +309,7 @@ def run(
         signum = trainer.stop_signal if trainer is not None else None
         raise typer.Exit(143 if signum == signal.SIGTERM else 130) from None
     except (OSError, ValueError) as e:
-        err_console.print(f"[bold red]error[/] {_escape(f'{type(e).__name__}: {e}')}")
-        raise typer.Exit(1) from None
+        fail(f"{type(e).__name__}: {e}")
     if trainer.stopped:
         # the shell's convention for "ended by a signal": 128 + its number
         raise typer.Exit(143 if trainer.stop_signal == signal.SIGTERM else 130)
@@ -315,13 +326,14 @@ def export(
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint."""
     from flowrl.store.checkpoint import CheckpointError, CheckpointStore
     from operators.models.export import ExportError, export_hf, role_head
+    from operators.models.hf import hf
 
+    hf("utils").logging.disable_progress_bar()  # transformers' "Writing model shards" bars: one line says it
     try:
-        state, meta, where = CheckpointStore(Path(run_dir) / "checkpoints").read_role(role, step)
+        state, meta, where = CheckpointStore.of_run(run_dir).read_role(role, step)
         path = export_hf(state["model"], meta["graph"], out_dir, role=role, where=where)
     except (CheckpointError, ExportError, OSError, ValueError) as e:
-        err_console.print(f"[bold red]error[/] {_escape(str(e))}")
-        raise typer.Exit(1) from None
+        fail(str(e))
     head = role_head(meta["graph"].get("roles") or {}, role)
     how = ("AutoModelForCausalLM.from_pretrained" if head == "causal_lm"
            else f"operators.models.load_model(path, head={head!r})")
@@ -389,8 +401,7 @@ def _describe_op(name: str) -> None:
     try:
         op = REGISTRY.operator(name)
     except (UnknownNameError, ImportPathError) as e:
-        err_console.print(f"[bold red]error[/] {_escape(str(e))}")
-        raise typer.Exit(1) from None
+        fail(str(e))
     console.print(f"[bold]{op.name}[/]  (node name {op.default_node_name()!r}, defined in {op.module})")
     if op.doc:
         console.print(_escape(op.doc))

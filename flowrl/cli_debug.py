@@ -11,7 +11,8 @@ Example::
 from __future__ import annotations
 
 import json
-from typing import Any, Optional
+import re
+from typing import Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -34,8 +35,26 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def _error(message: str) -> None:
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error[/] {escape(message)}", highlight=False)
+#: colour codes inside messages (a Ray error carries them); never written off a terminal
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def plain(text: str) -> str:
+    """``text`` as printed inside a rich message: colour codes dropped, markup characters escaped."""
+    return escape(ANSI.sub("", text))
+
+
+def fail(message: str, code: int = 1, err: Console | None = None, label: str = "") -> NoReturn:
+    """What every command does with a bad input: one line ``error <label><message>`` on stderr (``label``
+    is rich markup, ``message`` plain text), then exit ``code``, no traceback.
+
+    Example::
+
+        fail(f"--backend: {e}", code=2)
+    """
+    err = err or Console(stderr=True, soft_wrap=True)  # a message stays one line
+    err.print(f"[bold red]error[/] {label}{plain(message)}", highlight=False)
+    raise typer.Exit(code)
 
 
 def diff(
@@ -50,8 +69,7 @@ def diff(
     try:
         report = diff_runs(run_a, run_b, warn=warnings.append)
     except FingerprintFileError as e:
-        _error(str(e))
-        raise typer.Exit(2) from None
+        fail(str(e), 2)
     for w in warnings:
         err.print(f"[yellow]warning[/] {escape(w)}", highlight=False)
     if as_json:
@@ -85,12 +103,11 @@ def replay(
         report = replay_step(run, step, start, overrides, backend=backend,
                              say=lambda m: err.print(escape(m), highlight=False))
     except RuntimeFailure as e:
-        _error(str(e))
-        raise typer.Exit(2) from None
+        fail(str(e), 2)
     if as_json:
         print(json.dumps(report, indent=2))
     else:
         Console().print(render_replay(report))
 
 
-__all__ = ["diff", "parse_overrides", "replay"]
+__all__ = ["ANSI", "diff", "fail", "parse_overrides", "plain", "replay"]

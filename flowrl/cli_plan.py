@@ -23,18 +23,19 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable
 
 import torch
-import typer
 import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from flowrl.cli_debug import fail
+from flowrl.data.metrics import step_seconds
 from flowrl.graph import Graph, GraphError, load_graph
-from flowrl.plan.costfit import (calibrate_overheads, cores_for, fit_line, median_or_zero, metric_samples,
-                                    node_samples, residuals, step_intervals, world_factors)
+from flowrl.plan.costfit import (calibrated, cores_for, fit_line, median_or_zero, metric_samples, node_samples,
+                                    residuals, step_intervals, world_factors)
 from flowrl.plan.costs import (COST_FILE, GIB, WARMUP, CostFile, CostFileError, NodeCost, Record, RoleMemory,
                                   Transfer, graph_key, load_costs, records_of, save_costs, task_records)
 from flowrl.errors import ConfigError, RuntimeFailure
@@ -52,11 +53,6 @@ ACTIVATION_FACTOR = 16
 
 class CommandError(ConfigError):
     """What the command prints as one error line before exiting 1."""
-
-
-def fail(err: Console, message: str) -> NoReturn:
-    err.print(f"[bold red]error[/] {escape(message)}")
-    raise typer.Exit(1)
 
 
 # ---------------------------------------------------------------- profile
@@ -119,7 +115,7 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
 
     def interval(records: list[Record], rows: list[dict[str, Any]]) -> float:
         return median_or_zero(step_intervals(records)) if records else median_or_zero(
-            [r.get("timing/interval", r.get("timing/step", 0.0)) for r in rows[WARMUP:]])
+            [step_seconds(r) or 0.0 for r in rows[WARMUP:]])
 
     first, last = interval(*runs[0][1:]), interval(*runs[-1][1:])
     ratio = last / first if drift and len(runs) > 1 and first > 0 and last > 0 else 1.0
@@ -150,7 +146,8 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
                 pooled.setdefault(node, []).extend(xs)
     for plan, pooled in wider.values():
         world_factors(nodes, plan, pooled, base)
-    lengths = [r["response_length/max"] for _, _, rows in runs for r in rows if "response_length/max" in r]
+    longest = tokens.max if (tokens := graph.token_metrics()) is not None else None  # as the generator declares
+    lengths = [r[longest] for _, _, rows in runs for r in rows if longest in r]
     pools = [{p: c.workers for p, c in plan.graph.config.pools.items()} for plan, _, _ in runs]
     costs = CostFile(graph=graph.name, key=graph_key(graph), source=source, nodes=nodes, transfer=transfer,
                      roles=role_memory(graph), tokens_per_row=max(lengths, default=0.0),
@@ -159,8 +156,7 @@ def fit_runs(runs: list[tuple[Plan, list[Record], list[dict[str, Any]]]], graph:
                                     "cpus": cpus, "steps": max((len(rows) for *_, rows in runs), default=0),
                                     "drift": ratio})
     measured = [(plan, interval(records, rows) / slow[i]) for i, (plan, records, rows) in enumerate(runs)]
-    latency, overhead = calibrate_overheads(measured, costs, cores_for(runs[0][0], cpus))
-    return costs.model_copy(update={"task_latency_s": latency, "step_overhead_s": overhead})
+    return calibrated(costs, measured, cores_for(runs[0][0], cpus))
 
 
 def fit_report(costs: CostFile) -> list[str]:
@@ -263,7 +259,7 @@ def profile_command(ref: str, steps: int, out: str | None, overrides: dict[str, 
         return save_costs(costs, home / COST_FILE)
     except (GraphError, PlanError, CommandError, MetricsFileError, RuntimeFailure, OSError) as e:
         msg = str(e.problems[0]) if isinstance(e, GraphError) and e.problems else str(e)
-        fail(err, msg)
+        fail(msg, 1, err)
 
 
 # ---------------------------------------------------------------- search
@@ -272,9 +268,9 @@ def search_command(ref: str, graph: Graph, overrides: dict[str, Any], *, costs_p
                    backend: str, console: Console, err: Console, top: int = 10) -> SearchResult:
     """``flowrl plan --search``: rank the configurations, print them, write the best when asked."""
     if costs_path is None:
-        fail(err, f"--search needs --costs FILE: measure one with `flowrl profile {ref}`")
+        fail(f"--search needs --costs FILE: measure one with `flowrl profile {ref}`", 1, err)
     if cpus is None:
-        fail(err, "--search needs --cpus N: the CPU cores the run may use")
+        fail("--search needs --cpus N: the CPU cores the run may use", 1, err)
     try:
         costs = load_costs(Path(costs_path), graph)
         budget = Budget(cpus=cpus, gpus=gpus, nodes=nodes, max_staleness=max_staleness,
@@ -286,7 +282,7 @@ def search_command(ref: str, graph: Graph, overrides: dict[str, Any], *, costs_p
         machine = (float(os.cpu_count() or 1), torch.cuda.device_count())
         result = search(graph, build, costs, budget, traits_of(backend), machine=machine)
     except (CostFileError, SearchError) as e:
-        fail(err, str(e))
+        fail(str(e), 1, err)
     print_search(result, console, top)
     if write is not None:
         tuned = build(result.best.overrides)

@@ -108,3 +108,19 @@ class StalenessError(RuntimeFailure):
 
     def __reduce__(self):
         return (StalenessError, self.args)
+
+
+class RefillNeeded(RunError):
+    """A node with ``on_error: refill`` failed on some groups: the driver replaces their prompts
+    (:mod:`flowrl.recovery.refill`). ``groups``: their places among the task's groups; ``uids``:
+    their values of the node's declared group key (verl's ``uid``) when it declares one.
+
+    Raised by the worker's failure-policy hook and handed to the driver as it is (not as a
+    :class:`NodeError`): it is a request, not a failure of the node."""
+
+    def __init__(self, node: str, step: int, mb: int | None, groups: list[int], uids: list | None, cause: str):
+        self.node, self.step, self.mb, self.groups, self.uids, self.cause = node, step, mb, groups, uids, cause
+        super().__init__(f"node {node!r} at step {step + 1} failed on {len(groups)} group(s): {cause}")
+
+    def __reduce__(self):
+        return (RefillNeeded, (self.node, self.step, self.mb, self.groups, self.uids, self.cause))

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from flowrl.data.metrics import Metric, mean, total
+from flowrl.data.metrics import mean, total
 from flowrl.graph import Params, operator
 from flowrl.graph.checks import MissingProducerError, graph_check
 from operators.algos import (
@@ -104,13 +104,6 @@ def agg_kwargs(norm) -> dict[str, float]:
     return {} if norm is None else {"norm_tokens": norm.tokens, "norm_seqs": norm.seqs}
 
 
-def token_means(metrics: dict, mask) -> dict:
-    """A micro-batch's metrics as means over its real tokens (weighted by their count when the
-    update reduces them over micro-batches and ranks); declared reductions (maxima) stay."""
-    tokens = float(mask.sum())
-    return {k: v if isinstance(v, Metric) else mean(v, tokens) for k, v in metrics.items()}
-
-
 @graph_check
 def _kl_loss_has_reference(graph):
     """use_kl_loss reads ref_log_prob, an optional input: without a producer the update would fail at step 1."""
@@ -129,10 +122,11 @@ def _kl_loss_has_reference(graph):
 @operator(
     "actor.update", role="actor", scope="batch", dispatch="all", updates_role=True, node_name="update_actor",
     cost=4.0, params=ActorUpdate, optional_inputs=("ref_log_prob", "rollout_log_probs", *VISION_FIELDS),
-    balance_by="attention_mask",
+    balance_by="attention_mask", headline=("actor/pg_loss", "actor/approx_kl", "actor/entropy"),
     inputs={**SEQUENCE_IMAGES_IN, "response_mask": "int64[B, R]", "old_log_probs": "float32[B, R]",
             "advantages": "float32[B, R]", "ref_log_prob": "float32[B, R]", "rollout_log_probs": "float32[B, R]"},
     outputs={},
+    token_mask="response_mask",
 )
 def update(actor, batch, p: ActorUpdate):
     """L = policy_loss(ratio, A) − c_H · H(π) + β · KL(π ‖ π_ref), with ratio = exp(log π − log π_old).
@@ -140,8 +134,9 @@ def update(actor, batch, p: ActorUpdate):
     The train/inference mismatch — this update's log-probs against the
     sampler's (``rollout_log_probs``, or ``old_log_probs`` when the graph feeds
     the sampler's log-probs in as π_old) — is reported every step
-    (``actor/rollout_corr/*``, averaged over the update's micro-batches). With a
-    separate π_old (``logprob.old``), TIS / MIS correct it for the sampler.
+    (``actor/rollout_corr/*``: means over tokens or sequences and maxima, reduced as such over
+    micro-batches and ranks). With a separate π_old (``logprob.old``), TIS / MIS correct it for
+    the sampler.
     """
     if p.use_kl_loss and "ref_log_prob" not in batch:
         raise ValueError("use_kl_loss needs ref_log_prob: add a logprob.ref node to the graph")
@@ -177,10 +172,10 @@ def update(actor, batch, p: ActorUpdate):
                      weights, **agg)
         ent = entropy_loss(entropy, mask, p.loss_agg_mode, **agg)
         loss = pg.pg_loss - p.entropy_coeff * ent
-        metrics.update({"clipfrac": pg.pg_clipfrac, "approx_kl": pg.ppo_kl})
+        # the policy loss's statistics are means over the tokens it trains on (MIS leaves some out)
+        metrics.update({"clipfrac": mean(pg.pg_clipfrac, mask.sum()), "approx_kl": mean(pg.ppo_kl, mask.sum())})
         if p.dual_clip or p.policy_loss != "vanilla":
-            metrics["clipfrac_lower"] = pg.pg_clipfrac_lower
-        metrics = token_means(metrics, mb["response_mask"])
+            metrics["clipfrac_lower"] = mean(pg.pg_clipfrac_lower, mask.sum())
         # normalised by the whole mini-batch: each micro-batch's loss is its share, and the shares add up
         metrics.update({"pg_loss": total(pg.pg_loss.detach()), "entropy": total(ent.detach())})
         if p.use_kl_loss:

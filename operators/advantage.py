@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from pydantic import AliasChoices, Field, model_validator
 
-from flowrl.data.metrics import maximum, minimum
+from flowrl.data.metrics import Metric, maximum, mean, minimum
 from flowrl.graph import Params, operator
 from operators.algos import (
     gae_advantages,
@@ -46,9 +46,11 @@ REWARDS = {"token_level_rewards": "float32[B, R]", "response_mask": "int64[B, R]
 GROUPED = {**REWARDS, "uid": "object[B]"}
 
 
-def _metrics(adv: torch.Tensor, ret: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def _metrics(adv: torch.Tensor, ret: torch.Tensor, mask: torch.Tensor) -> dict[str, Metric]:
+    """Means over the response tokens: weighted by their count where a step's tasks are reduced."""
     valid = mask.bool()
-    return {"critic/advantages/mean": adv[valid].mean(), "critic/returns/mean": ret[valid].mean()}
+    return {"critic/advantages/mean": mean(adv[valid].mean(), valid.sum()),
+            "critic/returns/mean": mean(ret[valid].mean(), valid.sum())}
 
 
 def _out(adv: torch.Tensor, ret: torch.Tensor, mask: torch.Tensor):
@@ -62,7 +64,7 @@ class GAE(Params):
 
 
 @operator("advantage.gae", scope="batch", node_name="advantage", params=GAE, outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "values": "float32[B, R]"}, dumped=("advantages",))
+          inputs={**REWARDS, "values": "float32[B, R]"}, dumped=("advantages",), token_mask="response_mask")
 def gae(batch, p: GAE):
     """δ_t = r_t + γV_{t+1} − V_t;  A_t = Σ_l (γλ)^l δ_{t+l};  returns = A + V."""
     adv, ret = gae_advantages(batch["token_level_rewards"], batch["values"], batch["response_mask"],
@@ -78,7 +80,7 @@ class GRPO(Params):
 
 
 @operator("advantage.grpo", scope="group", group_key="uid", node_name="advantage", params=GRPO, outputs=OUT,
-          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
+          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"), token_mask="response_mask")
 def grpo(batch, p: GRPO):
     """A_i = (r_i − mean(r_group)) / (std(r_group) + ε), broadcast over the response's tokens."""
     adv, ret = grpo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
@@ -87,7 +89,7 @@ def grpo(batch, p: GRPO):
 
 
 @operator("advantage.grpo_passk", scope="group", group_key="uid", node_name="advantage", params=GRPO, outputs=OUT,
-          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
+          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"), token_mask="response_mask")
 def grpo_passk(batch, p: GRPO):
     """Only the best sample of each group learns: A = (r_max − r_second) / (std(r_group) + ε)."""
     adv, ret = grpo_passk_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"],
@@ -96,7 +98,7 @@ def grpo_passk(batch, p: GRPO):
 
 
 @operator("advantage.rloo", scope="group", group_key="uid", node_name="advantage", outputs=OUT,
-          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
+          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"), token_mask="response_mask")
 def rloo(batch, p):
     """A_i = r_i − mean(r_j for the other samples j of the same prompt)."""
     adv, ret = rloo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
@@ -104,7 +106,7 @@ def rloo(batch, p):
 
 
 @operator("advantage.opo", scope="group", group_key="uid", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
-          inputs=GROUPED, dumped=("uid", "advantages"))
+          inputs=GROUPED, dumped=("uid", "advantages"), token_mask="response_mask")
 def opo(batch, p):
     """A_i = r_i − Σ_j |y_j| r_j / Σ_j |y_j| over the group (length-weighted baseline)."""
     adv, ret = opo_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
@@ -116,7 +118,7 @@ class GPG(Params):
 
 
 @operator("advantage.gpg", scope="batch", node_name="advantage", params=GPG, outputs=OUT, aux_outputs=("returns",),
-          inputs=GROUPED, dumped=("uid", "advantages"))
+          inputs=GROUPED, dumped=("uid", "advantages"), token_mask="response_mask")
 def gpg(batch, p: GPG):
     """A_i = α (r_i − mean(r_group)) / f_norm, α = B / #(rows with a non-zero score)."""
     adv, ret = gpg_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"], p.f_norm)
@@ -142,7 +144,7 @@ class GDPO(GRPO):
 
 @operator("advantage.gdpo", scope="batch", node_name="advantage", params=GDPO, outputs=OUT,
           aux_outputs=("returns",), inputs={**GROUPED, "reward_extra_info": "object[B]"},
-          optional_inputs=("reward_extra_info",), dumped=("uid", "advantages"))
+          optional_inputs=("reward_extra_info",), dumped=("uid", "advantages"), token_mask="response_mask")
 def gdpo(batch, p: GDPO):
     """GRPO per reward component, weighted sum, whitened over the batch (no reward_keys: the one reward)."""
     if not p.reward_keys:
@@ -184,7 +186,7 @@ class ReinforcePP(Params):
 
 
 @operator("advantage.reinforce_pp", scope="batch", node_name="advantage", params=ReinforcePP, outputs=OUT,
-          aux_outputs=("returns",), inputs=REWARDS, dumped=("advantages",))
+          aux_outputs=("returns",), inputs=REWARDS, dumped=("advantages",), token_mask="response_mask")
 def reinforce_pp(batch, p: ReinforcePP):
     """G_t = r_t + γG_{t+1} over valid tokens;  A = whiten(G) over the whole batch."""
     adv, ret = reinforce_pp_advantages(batch["token_level_rewards"], batch["response_mask"], p.gamma)
@@ -192,7 +194,7 @@ def reinforce_pp(batch, p: ReinforcePP):
 
 
 @operator("advantage.reinforce_pp_baseline", scope="batch", node_name="advantage", outputs=OUT,
-          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"))
+          aux_outputs=("returns",), inputs=GROUPED, dumped=("uid", "advantages"), token_mask="response_mask")
 def reinforce_pp_baseline(batch, p):
     """A = whiten(r_i − mean(r_group)) over the whole batch."""
     adv, ret = reinforce_pp_baseline_advantages(batch["token_level_rewards"], batch["response_mask"], batch["uid"])
@@ -200,7 +202,7 @@ def reinforce_pp_baseline(batch, p):
 
 
 @operator("advantage.remax", scope="row", node_name="advantage", outputs=OUT, aux_outputs=("returns",),
-          inputs={**REWARDS, "reward_baselines": "float32[B, R]"}, dumped=("advantages",))
+          inputs={**REWARDS, "reward_baselines": "float32[B, R]"}, dumped=("advantages",), token_mask="response_mask")
 def remax(batch, p):
     """A_t = Σ_{t'≥t} r_t' − b, with b the reward of the greedy response to the same prompt."""
     baseline = batch["reward_baselines"].sum(-1)  # the scalar score sits on one token
@@ -219,7 +221,7 @@ OTB_INPUTS = {**GROUPED, "old_log_probs": "float32[B, R]", "sum_pi_squared": "fl
 
 @operator("advantage.optimal_token_baseline", scope="group", group_key="uid", node_name="advantage",
           params=OptimalTokenBaseline, outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS,
-          optional_inputs=("rollout_is_weights",), dumped=("uid", "advantages"))
+          optional_inputs=("rollout_is_weights",), dumped=("uid", "advantages"), token_mask="response_mask")
 def optimal_token_baseline(batch, p: OptimalTokenBaseline):
     """A_t = G_t − Σ_g G_t W_t / Σ_g W_t,  W_t = Σ_{j≤t} 1 − 2π_j + Σ_v π_v²  (per group and position)."""
     return _optimal_token_baseline(optimal_token_baseline_advantages, batch, p)
@@ -227,7 +229,7 @@ def optimal_token_baseline(batch, p: OptimalTokenBaseline):
 
 @operator("advantage.tir_optimal_token_baseline", scope="group", group_key="uid", node_name="advantage",
           params=OptimalTokenBaseline, outputs=OUT, aux_outputs=("returns",), inputs=OTB_INPUTS,
-          optional_inputs=("rollout_is_weights",), dumped=("uid", "advantages"))
+          optional_inputs=("rollout_is_weights",), dumped=("uid", "advantages"), token_mask="response_mask")
 def tir_optimal_token_baseline(batch, p: OptimalTokenBaseline):
     """The optimal token baseline over each response's valid (model) tokens, packed (multi-turn)."""
     return _optimal_token_baseline(tir_optimal_token_baseline_advantages, batch, p)

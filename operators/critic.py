@@ -5,8 +5,8 @@ from __future__ import annotations
 from pydantic import Field
 
 from flowrl.graph import Params, operator
-from flowrl.data.metrics import total
-from operators.actor import AGG, agg_kwargs, token_means
+from flowrl.data.metrics import mean, total
+from operators.actor import AGG, agg_kwargs
 from operators.algos import value_loss
 from operators.logprob import SEQUENCE_IN
 from operators.models import response_values
@@ -32,7 +32,8 @@ class CriticUpdate(Params):
 @operator("critic.update", role="critic", scope="batch", dispatch="all", updates_role=True,
           node_name="update_critic", cost=4.0, params=CriticUpdate, balance_by="attention_mask",
           inputs={**SEQUENCE_IN, "response_mask": "int64[B, R]", "values": "float32[B, R]",
-                  "returns": "float32[B, R]"}, outputs={})
+                  "returns": "float32[B, R]"}, outputs={}, token_mask="response_mask",
+                  headline=("critic/vf_loss",))
 def update(critic, batch, p: CriticUpdate):
     """L_V = ½ · max((V − R)², (clip(V, V_old ± ε) − R)²), aggregated over tokens."""
 
@@ -41,7 +42,8 @@ def update(critic, batch, p: CriticUpdate):
                                  mb["responses"].shape[1])
         loss, clipfrac = value_loss(vpreds, mb["returns"], mb["values"], mb["response_mask"],
                                     p.cliprange_value, p.loss_agg_mode, **agg_kwargs(norm))
-        return loss, {"vf_loss": total(loss.detach()), **token_means({"vf_clipfrac": clipfrac}, mb["response_mask"])}
+        # the loss is a share of the mini-batch's (a sum); the clip fraction a mean over its tokens
+        return loss, {"vf_loss": total(loss.detach()), "vf_clipfrac": mean(clipfrac, mb["response_mask"].sum())}
 
     m = critic.fit(batch, loss_fn, mini_batch_size=p.mini_batch_size, epochs=p.epochs,
                    micro_batch_size=p.micro_batch_size)

@@ -22,7 +22,8 @@ class FixedKL(Params):
 
 
 @operator("kl.reward", scope="row", node_name="kl_reward", params=FixedKL, inputs=INPUTS,
-          outputs={"token_level_rewards": "float32[B, R]"})
+          outputs={"token_level_rewards": "float32[B, R]"}, token_mask="response_mask",
+          headline=("actor/reward_kl_penalty",))
 def reward(batch, p: FixedKL):
     """r_t = score_t − β · KL_t(π_old ‖ π_ref)."""
     rewards, kl = apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
@@ -45,7 +46,8 @@ ADAPTIVE_STATE = StateSpec(init=_initial_beta)
 
 
 @operator("kl.adaptive_reward", scope="batch", node_name="kl_reward", params=AdaptiveKL,
-          inputs=INPUTS, outputs={"token_level_rewards": "float32[B, R]"}, state=ADAPTIVE_STATE)
+          inputs=INPUTS, outputs={"token_level_rewards": "float32[B, R]"}, state=ADAPTIVE_STATE,
+          token_mask="response_mask", headline=("actor/reward_kl_penalty",))
 def adaptive_reward(batch, p: AdaptiveKL):
     """r_t = score_t − β · KL_t, then β ← β · (1 + clip(KL/target − 1, ±0.2) · B/horizon)."""
     state = batch.meta_info[ADAPTIVE_STATE.key]  # {"kl_coef": β}, this node's state from the last step

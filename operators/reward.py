@@ -21,6 +21,7 @@ from operators.rewards import (TASK_REWARDS, auto_reward_fn, compute_scores, ext
 
 class Rule(Params):
     fn: str = Field("auto", description="auto (by data_source), a task name, task_eos, gsm8k, exact, partial, "
+                                        "reasoning_gym, "
                                         "or pkg.mod:fn / file.py:fn with verl's compute_score signature")
     batched: bool = Field(False, description="call fn once per batch: fn(data_sources=, solution_strs=, "
                                              "ground_truths=, extra_infos=) -> one float or dict per response")
@@ -35,10 +36,10 @@ RULE = dict(scope="row", node_name="reward", params=Rule, optional_inputs=("rewa
             inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "data_source": "object[B]",
                     "ground_truth": "object[B]", "extra_info": "object[B]", "reward_style": "object[B]",
                     "tokenizer": "meta"},
-            score="token_level_scores", dumped=("token_level_scores",))
+            score="token_level_scores", dumped=("token_level_scores",), headline=("reward/mean",))
 
 
-@operator("reward.rule", outputs={"token_level_scores": "float32[B, R]"}, **RULE)
+@operator("reward.rule", outputs={"token_level_scores": "float32[B, R]"}, **RULE, token_mask="response_mask")
 def rule(batch, p: Rule):
     """score_i = fn(response_i, ground_truth_i), placed on the last response token.
 
@@ -49,7 +50,7 @@ def rule(batch, p: Rule):
 
 
 @operator("reward.rule_extras", outputs={"token_level_scores": "float32[B, R]", "reward_extra_info": "object[B]"},
-          **RULE)
+          **RULE, token_mask="response_mask")
 def rule_extras(batch, p: Rule):
     """reward.rule that also keeps each response's other dict keys: ``reward_extra_info[i]`` is a dict.
 
@@ -144,6 +145,8 @@ def _auto_reward_covers_the_data(graph):
     inputs={"input_ids": "int64[B, T]", "attention_mask": "int64[B, T]", "position_ids": "int64[B, T]",
             "response_mask": "int64[B, R]"},
     outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),
+    token_mask="response_mask",
+    headline=("reward/mean",),
 )
 def model(rm, batch, p):
     """A sequence classifier's scalar score of prompt+response, on the last response token."""

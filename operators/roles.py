@@ -24,7 +24,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flowrl.graph import Role, Stateful, role_kind
-from operators.models import ModelLoadError, OptimConfig, check_model_spec, load_model
+from operators.models import ModelLoadError, OptimConfig, check_model_spec, is_gguf_spec, load_model
 from operators.models.engine import ENGINES, LossFn, build_engine
 from operators.models.fsdp import unsharded
 from operators.models.sharded_checkpoint import ModelState
@@ -37,7 +37,7 @@ class RolloutConfig(BaseModel):
     """Which engine generates (``operators.rollout.engines``): ``hf`` (transformers, CPU or GPU),
     ``sglang`` (GPU) or ``vllm`` (vLLM, CPU or GPU); ``engine_kwargs`` are checked against its options."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     engine: str = "hf"
     engine_kwargs: dict[str, Any] = Field(default_factory=dict, description="the engine's options: vllm's "
                                           "VLLMOptions, sglang.Engine's keyword arguments")
@@ -57,9 +57,9 @@ class RolloutConfig(BaseModel):
 
 
 def check_model_path(spec: str) -> str:
-    """``builtin:*`` or a local model directory whose config loads — checked with the graph, before
-    any worker starts."""
-    if not spec.startswith("builtin:") and not Path(spec).is_dir():
+    """``builtin:*``, a GGUF file or a local model directory whose config loads — checked with the graph,
+    before any worker starts."""
+    if not spec.startswith("builtin:") and not is_gguf_spec(spec) and not Path(spec).is_dir():
         raise ValueError(f"no model directory {spec!r}: pass 'builtin:tiny' or the path of a local "
                          f"Hugging Face model directory (nothing is downloaded)")
     try:
@@ -73,8 +73,9 @@ ModelPath = Annotated[str, AfterValidator(check_model_path)]
 
 
 class ModelRoleConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    model: ModelPath = Field("builtin:tiny", description="'builtin:tiny' or a local Hugging Face directory")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model: ModelPath = Field("builtin:tiny", description="'builtin:tiny', 'builtin:smollm2-135m', a local "
+                            "Hugging Face directory or a GGUF file (a path, or pkg:<package>/<file>)")
     dtype: Literal["float32", "bfloat16", "bf16", "fp32"] = "float32"
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-4))
     engine: str | None = Field(None, description="the training engine: 'local' (one process) or 'fsdp2' (sharded "
@@ -358,7 +359,7 @@ class Critic(TrainableRole):
 
 
 class RewardModelConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: ModelPath = Field(..., description="a local sequence-classification model directory (or builtin:tiny)")
     dtype: Literal["float32", "bfloat16", "bf16", "fp32"] = "float32"
 

@@ -1,4 +1,5 @@
-"""Prompt sources: ``builtin:<task>`` (generated) and parquet/jsonl files in verl's schema.
+"""Prompt sources: ``builtin:<task>`` (generated), parquet/jsonl files in verl's schema, and
+reasoning-gym's tasks (``reasoning_gym:<task>``, generated, each with its own verifier).
 
 Both yield, per step, ``batch_size`` prompts left-padded to one length, with
 the columns below (the graph's *source fields*). ``uid`` names each prompt of
@@ -8,6 +9,7 @@ Example YAML::
 
     data: {source: builtin:copy, batch_size: 32}
     data: {source: data/train.parquet, batch_size: 64, max_prompt_length: 512, truncation: left}
+    data: {source: "reasoning_gym:chain_sum", batch_size: 8, config: {max_terms: 3}, format_score: 0.1}
 """
 
 from __future__ import annotations
@@ -17,14 +19,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from tokenizers import Tokenizer
 
 from flowrl.graph import source
 from flowrl.graph.checks import DataSourceError, graph_check
-from operators.data.dataset import (SAMPLE_ROWS, DatasetError, PromptLoader, chat_messages, check_batch_size,
-                                    inspect_file, load_dataset, unknown_words, vocabulary_problem)
+from operators.data.dataset import (SAMPLE_ROWS, DatasetError, PromptDataset, PromptLoader, chat_messages,
+                                    check_batch_size, inspect_file, load_dataset, unknown_words, vocabulary_problem)
 from operators.data.multimodal import MULTIMODAL_FIELDS, is_multimodal, load_multimodal_dataset, load_processor
+from operators.data.reasoning_tasks import PREFIX as GYM_PREFIX
+from operators.data.reasoning_tasks import ReasoningGymRows, ReasoningTaskError, check_task, sample_rows, task_of
 from operators.data.shapes import ShapeRows, is_image_task
 from operators.data.tasks import TaskRows
 from operators.models.loading import (ModelLoadError, check_tokenizer_spec, has_chat_template, load_tokenizer,
@@ -49,7 +53,7 @@ PROMPT_FIELDS = {
 
 
 class PromptSourceConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     source: str
     batch_size: int = Field(16, ge=1)
     tokenizer: str | None = Field(None, description="default: the model of the first role that has one")
@@ -70,6 +74,46 @@ class PromptSourceConfig(BaseModel):
         return v
 
 
+class ReasoningGymConfig(PromptSourceConfig):
+    """``reasoning_gym:<task>``: the task's own options (``config``, given to reasoning-gym's
+    ``create_dataset``), checked with the graph; rows generated from the run's seed."""
+
+    config: dict[str, Any] = Field(default_factory=dict, description="the task's options: "
+                                   "reasoning_gym.create_dataset(task, **config)")
+    format_score: float = Field(0.0, ge=0.0, le=1.0, description="the reward of an answer in <answer> tags "
+                                "that the task's verifier scores lower")
+
+    @field_validator("source", "val_source")
+    @classmethod
+    def _exists(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(GYM_PREFIX):
+            raise ValueError(f"{v!r} is not a reasoning-gym task: write reasoning_gym:<task> (held-out prompts "
+                             f"come from the same task: leave val_source out)")
+        return v
+
+    @model_validator(mode="after")
+    def _known_task(self) -> "ReasoningGymConfig":
+        if self.val_source is not None and self.val_source != self.source:
+            raise ValueError(f"val_source {self.val_source!r} differs from source {self.source!r}: a reasoning-gym "
+                             f"task holds out its own questions for validation; leave val_source out")
+        try:
+            check_task(task_of(self.source), self.config)
+        except ReasoningTaskError as err:
+            raise ValueError(str(err)) from None
+        return self
+
+    def rows(self, seed: int, split: Literal["train", "val"]) -> ReasoningGymRows:
+        """The split's rows: ``task_size`` for training, ``val_size`` held out."""
+        size = self.task_size if split == "train" else self.val_size
+        return ReasoningGymRows(task_of(self.source), self.config, seed=seed, size=size, split=split,
+                                format_score=self.format_score)
+
+
+def source_config(data: dict[str, Any]) -> type[PromptSourceConfig]:
+    """The config class of the source ``data`` names: a reasoning-gym task's, or the others'."""
+    return ReasoningGymConfig if str(data.get("source", "")).startswith(GYM_PREFIX) else PromptSourceConfig
+
+
 FILE_FIX = "convert the file to verl's schema (prompt, data_source, reward_model.ground_truth, extra_info)"
 
 
@@ -88,8 +132,9 @@ def _data_source_fits(graph):
     """What the run's prompt loader would refuse, found from the files without tokenizing a batch: an
     unknown task, a file that does not fit verl's schema (sampled rows), fewer rows than a batch, a
     tokenizer without a chat template, words outside its vocabulary, prompts over max_prompt_length."""
+    data = graph.config.data.dump()
     try:
-        cfg = PromptSourceConfig.model_validate(graph.config.data.dump())
+        cfg = source_config(data).model_validate(data)
     except ValidationError:
         return  # the graph's build reports the data: settings
     spec, origin = tokenizer_origin(cfg, graph.config.roles)
@@ -112,7 +157,12 @@ def _data_source_fits(graph):
             continue
         where = graph.locate("data", key)
         try:
-            n_rows, rows = source_rows(source_spec, cfg.task_size if key == "source" else cfg.val_size)
+            if isinstance(cfg, ReasoningGymConfig):
+                n_rows = cfg.task_size if key == "source" else cfg.val_size
+                rows = sample_rows(task_of(source_spec), cfg.config, seed=0, size=n_rows,
+                                   split="train" if key == "source" else "val")
+            else:
+                n_rows, rows = source_rows(source_spec, cfg.task_size if key == "source" else cfg.val_size)
         except (DatasetError, OSError, ValueError) as err:
             yield DataSourceError(str(err), location=where,
                                   fix="" if source_spec.startswith("builtin:") else FILE_FIX)
@@ -167,8 +217,12 @@ class PromptSource:
         if is_multimodal(spec) and processor is None:
             raise DatasetError(f"{spec}: the prompts have images, but {tokenizer!r} has no processor; use a "
                                f"vision-language model (builtin:tiny-vl, or a directory AutoProcessor loads)")
-        self.dataset = (load_multimodal_dataset(spec, processor, seed=data_seed, task_size=size, **limits)
-                        if processor is not None else load_dataset(spec, tok, seed=data_seed, task_size=size, **limits))
+        if isinstance(cfg, ReasoningGymConfig):  # its held-out split is its own, not another seed's
+            self.dataset = PromptDataset(cfg.rows(seed, split), tok, name=spec, **limits)
+        elif processor is not None:
+            self.dataset = load_multimodal_dataset(spec, processor, seed=data_seed, task_size=size, **limits)
+        else:
+            self.dataset = load_dataset(spec, tok, seed=data_seed, task_size=size, **limits)
         # validation takes its whole held-out set (up to val_size prompts) as one batch
         batch = cfg.batch_size if split == "train" else min(cfg.val_size, len(self.dataset))
         self.loader = PromptLoader(self.dataset, batch, shuffle=cfg.shuffle and split == "train",
@@ -239,4 +293,13 @@ def builtin_source(cfg: PromptSourceConfig, seed: int = 0, roles: dict[str, Any]
 def file_source(cfg: PromptSourceConfig, seed: int = 0, roles: dict[str, Any] | None = None,
                 split: Literal["train", "val"] = "train") -> PromptSource:
     """A parquet or jsonl file in verl's schema (prompt, data_source, reward_model.ground_truth, extra_info)."""
+    return PromptSource(cfg, seed, default_tokenizer(cfg, roles or {}), split)
+
+
+@source("reasoning_gym", config=ReasoningGymConfig, fields=_fields)
+def reasoning_gym_source(cfg: ReasoningGymConfig, seed: int = 0, roles: dict[str, Any] | None = None,
+                         split: Literal["train", "val"] = "train") -> PromptSource:
+    """A reasoning-gym task (``reasoning_gym:chain_sum``...) with its options (``config``), generated from the
+    seed, prompts through the model's chat template asking for ``<answer>...</answer>``; its rows' verifier
+    scores them (``fn: auto``); validation takes held-out questions no training step sees."""
     return PromptSource(cfg, seed, default_tokenizer(cfg, roles or {}), split)

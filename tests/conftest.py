@@ -41,15 +41,12 @@ def two_worker_grpo_run(ray_session, tmp_path_factory):
     """The default GRPO job on a 2-worker train pool (``tests.shared_runs.TWO``), ``STEPS`` steps on Ray,
     uninterrupted: its run directory and metrics rows. Tests read it, or resume a copy (``copy_run``)."""
     from flowrl.graph import load_graph
-    from flowrl.recovery.faults import FAULT_ENV
     from flowrl.run.trainer import Trainer
     from tests.shared_runs import STEPS, TWO
 
     out = tmp_path_factory.mktemp("two_worker_grpo") / "run"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.delenv(FAULT_ENV, raising=False)  # no fault injected into the clean run
-        rows = Trainer(load_graph("grpo", overrides=TWO), backend="ray", steps=STEPS, out=out,
-                       say=lambda _: None).run()
+    rows = Trainer(load_graph("grpo", overrides=TWO), backend="ray", steps=STEPS, out=out,
+                   say=lambda _: None).run()
     return out, rows
 
 

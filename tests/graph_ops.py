@@ -82,7 +82,7 @@ class GenParams(Params):
     "test.generate", role="actor", role_kinds=("test_actor",), scope="row",
     inputs={"prompts": "int64[B, P]", "uid": "object[B]"},
     outputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "policy_version": "int64[B]"},
-    params=GenParams, cost=3.0, node_name="generate", expands="n",
+    params=GenParams, cost=3.0, node_name="generate", expands="n", token_mask="response_mask",
 )
 def generate(actor, batch, p: GenParams):
     time.sleep(p.sleep_s)
@@ -97,6 +97,7 @@ def generate(actor, batch, p: GenParams):
     "test.reward", scope="row",
     inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]"},
     outputs={"token_level_scores": "float32[B, R]"}, node_name="reward", score="token_level_scores",
+    token_mask="response_mask",
 )
 def reward(batch, p):
     scores = (batch["responses"] % 2).float() * batch["response_mask"]
@@ -146,7 +147,7 @@ class GAEParams(Params):
     "test.gae", scope="batch",
     inputs={"token_level_rewards": "float32[B, R]", "values": "float32[B, R]", "response_mask": "int64[B, R]"},
     outputs={"advantages": "float32[B, R]", "returns": "float32[B, R]"},
-    params=GAEParams, node_name="advantage",
+    params=GAEParams, node_name="advantage", token_mask="response_mask",
 )
 def gae(batch, p: GAEParams):
     adv = (batch["token_level_rewards"] - batch["values"]) * p.lam

@@ -13,6 +13,7 @@ from operators.algos import (
     agg_loss,
     apply_kl_penalty,
     build_kl_controller,
+    chunked_token_stats,
     entropy_from_logits,
     entropy_loss,
     gae_advantages,
@@ -28,6 +29,7 @@ from operators.algos import (
     reinforce_pp_advantages,
     remax_advantages,
     rloo_advantages,
+    sum_pi_squared_from_logits,
     value_loss,
 )
 
@@ -50,6 +52,46 @@ def test_logprobs_and_entropy_from_logits():
     p = torch.softmax(T([1.0, 2.0, 3.0]), -1)
     close(entropy_from_logits(logits[:, :1]), [[float(-(p * p.log()).sum())]])
     close(entropy_from_logits(T([[math.log(3.0), 0.0]])), [-(0.75 * math.log(0.75) + 0.25 * math.log(0.25))])
+
+
+def test_chunked_token_stats_equal_the_whole_logits_and_keep_no_whole_logits_for_backward():
+    """A chunk of tokens at a time: the log-probs, entropy, Σπ² and gradients of the whole [N, V] logits,
+    and nothing saved for backward as large as the whole logits."""
+    gen = torch.Generator().manual_seed(0)
+    n, hidden_size, vocab = 37, 8, 1000
+    hidden = torch.randn(n, hidden_size, generator=gen, requires_grad=True)
+    head = torch.randn(vocab, hidden_size, generator=gen, requires_grad=True)
+    labels = torch.randint(0, vocab, (n,), generator=gen)
+    logits = (hidden @ head.T) / 0.7
+    whole = (logprobs_from_logits(logits, labels), entropy_from_logits(logits), sum_pi_squared_from_logits(logits))
+
+    saved: list[int] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        chunked = chunked_token_stats(hidden, labels, lambda h, rows: (h @ head.T) / 0.7, vocab,
+                                      with_entropy=True, with_sum_pi_squared=True, chunk_elements=8 * vocab)
+    # 8 tokens' logits at a time (5 chunks), and none kept for backward: it recomputes a chunk's from its
+    # hidden states, so all that is saved is far below even one copy of the whole logits
+    assert sum(saved) < n * vocab // 4
+    for ours, theirs in zip(chunked, whole):
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    weights = torch.randn(3, n, generator=gen)
+    ours = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, chunked)), (hidden, head))
+    theirs = torch.autograd.grad(sum((w * t).sum() for w, t in zip(weights, whole)), (hidden, head))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # entropy_grad=False: the entropy is a metric, without a graph; no grad: no chunk is checkpointed
+    _, entropy, _ = chunked_token_stats(hidden, labels, lambda h, rows: h @ head.T, vocab, with_entropy=True,
+                                        entropy_grad=False, chunk_elements=8 * vocab)
+    assert not entropy.requires_grad
+    with torch.no_grad():
+        log_probs, _, _ = chunked_token_stats(hidden, labels, lambda h, rows: (h @ head.T) / 0.7, vocab,
+                                              chunk_elements=vocab)
+    torch.testing.assert_close(log_probs, whole[0].detach(), atol=1e-5, rtol=0)
 
 
 def test_masked_statistics():

@@ -36,7 +36,10 @@ def train(out: Path, steps: int, resume: bool = False, say=lambda m: None, **ext
 
 def test_a_checkpoint_names_its_format_and_every_file_with_its_checksum(tmp_path):
     train(tmp_path, steps=2)
-    path = CheckpointStore(tmp_path / "checkpoints").complete()[0]
+    store = CheckpointStore.of_run(tmp_path)
+    path = store.complete()[0]
+    # the store names the directory it wrote: the run's checkpoints/ folder, by completed steps
+    assert path == store.path(1) == tmp_path / "checkpoints" / "step_00000002" and store.any_saved()
     meta = json.loads((path / "meta.json").read_text())
     assert meta["format"] == FORMAT and meta["written_by"].startswith("flowrl ")
     files = json.loads((path / "manifest.json").read_text())["files"]
@@ -132,6 +135,7 @@ def test_export_generates_with_transformers_from_a_plain_prompt_as_flowrl_does(t
     train(tmp_path / "run", steps=2)
     result = CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(tmp_path / "hf")])
     assert result.exit_code == 0, result.output
+    assert "\r" not in result.output + result.stderr  # no progress bars redrawn in a log
 
     # flowrl: the actor as the run left it, loaded through the checkpointer, prompted as in training
     store = CheckpointStore(tmp_path / "run" / "checkpoints")

@@ -54,8 +54,10 @@ def test_two_profiled_micro_batch_counts_recover_each_nodes_fixed_and_per_row_co
     runs = []
     for k in (1, 2):
         plan = make_plan(load_graph("grpo", overrides={"schedule.micro_batches": k}))
-        runs.append((plan, records(plan), []))
+        # the longest response, in the metric the generator declares counts it (tokens.max)
+        runs.append((plan, records(plan), [{"response_length/max": 7.0 * k}, {"response_length/max": 3.0}]))
     costs = fit_runs(runs, g, "synthetic", Transfer())
+    assert costs.tokens_per_row == 14.0
     for node, (fixed, per_row) in TRUTH.items():
         if len(costs.nodes[node].rows_seen) > 1:  # streamed nodes saw 256 and 128 rows
             assert costs.nodes[node].fixed_s == pytest.approx(fixed, rel=1e-6)

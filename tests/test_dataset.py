@@ -190,3 +190,31 @@ def test_padding_helpers():
     assert mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
     assert position_ids_from_mask(mask).tolist() == [[0, 0, 1, 2], [0, 0, 0, 0]]
     assert position_ids_from_mask(torch.tensor([[0, 1, 1, 0, 0]])).tolist() == [[0, 0, 1, 1, 1]]
+
+
+@pytest.mark.parametrize("line, says", [(b'{"a": "\xe9t\xe9"}', "line 2 is not UTF-8 text (byte 0xe9 at column 8)"),
+                                        (b"[1, 2]", "line 2 is a JSON list, not an object of columns"),
+                                        (b"[" * 100_000, "line 2 cannot be read as JSON (RecursionError)"),
+                                        (b'{"a": ', "line 2 is not valid JSON")])
+def test_a_bad_jsonl_line_is_named(tmp_path, line, says):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(json.dumps(ROWS[0]).encode() + b"\n" + line + b"\n")
+    with pytest.raises(DatasetError) as err:
+        read_rows(path)
+    assert str(path) in str(err.value) and says in str(err.value)
+
+
+def test_make_source_builds_the_graphs_declared_source_seeded_by_the_run_or_by_the_caller(tmp_path):
+    from flowrl.graph import load_graph, make_source
+
+    rows = TaskRows("reverse", size=12, seed=4)
+    path = write(tmp_path, [rows[i] for i in range(len(rows))], "jsonl")
+    cfg = load_graph("grpo", overrides={"data.source": str(path), "data.batch_size": 4, "trainer.seed": 3}).config
+
+    def ids(source) -> list:
+        return [source.next_batch().batch["prompts"].tolist() for _ in range(3)]
+
+    run = ids(make_source(cfg))
+    assert run == ids(make_source(cfg, seed=3))  # trainer.seed unless told otherwise
+    assert run != ids(make_source(cfg, seed=4))  # another seed shuffles the file another way
+    assert len(make_source(cfg, split="val").next_batch()) == 12  # validation: the whole file as one batch

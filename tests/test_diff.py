@@ -80,9 +80,11 @@ def test_the_default_job_at_one_and_two_workers_parts_at_the_sharded_update(ray_
         Trainer(g, backend="ray", steps=2, out=tmp_path / f"w{workers}", say=lambda m: None).run()
     report = diff_runs(tmp_path / "w1", tmp_path / "w2")
     f = report["finding"]
-    # the two ranks' sums round differently: the update's weights at step 1, from equal inputs (the same
-    # rollouts and the same starting weights, whose digest does not depend on the sharding)
-    assert (f["step"], f["node"], f["field"], f["inputs_equal"]) == (1, "update_actor", "weights", True)
+    # the first difference is rounding, from equal inputs: where the CPU's kernels round a batch of 4 prompts
+    # as they round 8 (AVX2 here before), the two ranks' sums in the update's weights at step 1; where they
+    # do not (AVX-512/AMX), the rollout's log-probs, one node earlier, on the same starting weights
+    assert (f["step"], f["inputs_equal"]) == (1, True)
+    assert (f["node"], f["field"]) in {("update_actor", "weights"), ("generate", "rollout_log_probs")}
     assert report["graph_differences"] == [] and report["parameter_differences"] == []
     assert {s["node"] for s in report["spread"]} >= {"generate"}
     assert all(m["relative"] < 1e-3 for m in f["metrics"])  # rounding, not a different computation

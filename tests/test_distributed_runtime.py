@@ -17,7 +17,7 @@ import torch
 
 from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import RowKeys, get_mode, task_rows
-from flowrl.graph import REGISTRY, load_graph
+from flowrl.graph import load_graph, make_source
 from flowrl.errors import RuntimeFailure
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.worker import Call, RoleContext
@@ -35,9 +35,7 @@ TOLERANCE = 1e-5
 
 
 def first_batch(g) -> DataProto:
-    cfg = g.config
-    spec = REGISTRY.source(cfg.data.source.split(":", 1)[0])
-    source = spec.factory(spec.config.model_validate(cfg.data.dump()), seed=cfg.trainer.seed, roles=cfg.roles)
+    source = make_source(g.config)
     return next(iter(source))
 
 

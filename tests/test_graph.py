@@ -16,6 +16,7 @@ from flowrl.graph import (
     FieldTypeError,
     GraphBuilder,
     GraphError,
+    GraphImportError,
     GraphSyntaxError,
     MissingProducerError,
     ParameterError,
@@ -117,6 +118,28 @@ def test_user_operator_module_plugs_in_between_reward_and_advantage(tmp_path):
     assert g.dag.edges["kl_reward", "length_penalty"]["fields"] == ["kl_rewards"]
     assert g.dag.edges["length_penalty", "advantage"]["fields"] == ["token_level_rewards"]
     assert g.nodes["length_penalty"].params.coef == 0.5
+
+
+def test_operators_declare_the_metrics_a_person_watches_and_the_one_counting_tokens(tmp_path):
+    from flowrl.graph import TokenMetrics, operator
+    from flowrl.graph.spec import OperatorDeclarationError
+
+    data = yaml.safe_load((HERE.parent / "graphs" / "ppo.yaml").read_text())  # the built-in operators
+    data["nodes"]["kl_reward"]["outputs"] = {"token_level_rewards": "kl_rewards"}
+    data["nodes"]["length_penalty"] = {"op": "tests.userpkg.length_penalty:length_penalty",
+                                       "inputs": {"token_level_scores": "kl_rewards"}}
+    g = load_graph(write(tmp_path, data))
+    # in the step's order (the penalty, last in the file, runs before the advantage); then validation's
+    assert g.headline_metrics() == ["response_length/mean", "reward/mean", "actor/reward_kl_penalty",
+                                    "reward/length_penalty", "critic/vf_loss", "actor/pg_loss", "actor/approx_kl",
+                                    "actor/entropy", "val/reward/mean"]
+    assert g.token_metrics() == TokenMetrics(mean="response_length/mean", max="response_length/max")
+    del data["nodes"]["generate"]  # nothing generates: nothing counts tokens
+    assert load_graph(write(tmp_path, data)).token_metrics() is None
+    with pytest.raises(OperatorDeclarationError, match="headline is a tuple of metric names"):
+        operator("t.one", headline="reward/mean", register=False)
+    with pytest.raises(OperatorDeclarationError, match=r"tokens is a TokenMetrics\(mean=..., max=...\)"):
+        operator("t.two", tokens="response_length/mean", register=False)
 
 
 def test_user_operator_runs_eagerly_with_its_math():
@@ -362,3 +385,59 @@ def test_a_role_without_a_kind_is_an_error(tmp_path):
     errs = problems_of(tmp_path, data, RoleError)
     assert any("role 'policy' has no kind" in str(e) and "add kind: <one of" in str(e) and "test_actor" in str(e)
                for e in errs)
+
+
+def real_ppo() -> dict:
+    """The built-in PPO graph (real roles and operators) as a dict."""
+    return yaml.safe_load((HERE.parent / "graphs" / "ppo.yaml").read_text())
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_number_is_refused_where_it_is_given(tmp_path, value):
+    data = real_ppo()
+    data["roles"]["actor"]["optim"]["lr"] = value
+    (err,) = problems_of(tmp_path, data, ParameterError)
+    assert "'optim.lr'" in str(err) and "finite number" in err.fix
+    data = real_ppo()
+    data["nodes"]["update_actor"]["clip_ratio"] = value
+    (err,) = problems_of(tmp_path, data, ParameterError)
+    assert err.node == "update_actor" and "finite number" in err.fix
+
+
+def test_a_fix_says_what_the_value_must_be_or_the_key_meant(tmp_path):
+    data = real_ppo()
+    data["roles"]["actor"]["optim"]["lr"] = -1.0
+    (err,) = problems_of(tmp_path, data, ParameterError)
+    assert err.fix == "change 'optim.lr': input should be greater than 0"  # no list of unrelated keys
+    data = real_ppo()
+    data["nodes"]["update_actor"]["clip_ration"] = 0.2
+    (err,) = problems_of(tmp_path, data, ParameterError)
+    assert err.fix.startswith("did you mean 'clip_ratio'?")
+
+
+def test_a_local_folder_does_not_hide_a_built_in_graph(tmp_path, monkeypatch):
+    (tmp_path / "grpo").mkdir()
+    (tmp_path / "ppo").write_text("not a graph")
+    monkeypatch.chdir(tmp_path)
+    assert load_graph("grpo").name == "grpo" and load_graph("ppo").name == "ppo"
+
+
+def test_a_module_that_does_not_import_is_an_import_problem(tmp_path):
+    data = yaml.safe_load((HERE.parent / "graphs" / "grpo.yaml").read_text())
+    data["imports"] = ["no_such_module_here"]
+    (err,) = load_graph(write(tmp_path, data)).check().errors
+    assert isinstance(err, GraphImportError) and err.title == "import"
+    with pytest.raises(GraphError) as raised:
+        load_graph("no_such_module_here:graph")
+    assert [type(p) for p in raised.value.problems] == [GraphImportError]
+
+
+def test_an_edge_names_each_field_once():
+    from flowrl.graph import builtin_graphs
+
+    for name in builtin_graphs():
+        g = load_graph(name)
+        for u, v, data in g.dag.edges(data=True):
+            assert len(data["fields"]) == len(set(data["fields"])), (name, u, v)
+    fields = load_graph("grpo").dag.edges["generate", "update_actor"]["fields"]
+    assert fields.count("rollout_log_probs") == 1  # read as old_log_probs and as itself

@@ -46,6 +46,9 @@ def test_every_graph_runs_a_few_steps(name, tmp_path):
     optim = OptimConfig(**g.config.roles["actor"].optim)
     assert last["actor/lr"] == pytest.approx(optim.lr * lr_multiplier(1, optim))   # the graph's own lr, at update 2
     assert last["timing/update_actor"] > 0
+    # tokens per second count the tokens the generator declares it reports (its mean response length)
+    assert last["throughput/tokens_per_s"] == pytest.approx(
+        last["throughput/samples_per_s"] * last[g.token_metrics().mean], rel=1e-9)
     if name == "ppo":
         assert math.isfinite(last["critic/vf_loss"])
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()

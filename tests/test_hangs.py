@@ -12,6 +12,7 @@ import tests.graph_ops as ops
 from flowrl.graph.config import ScheduleConfig
 from flowrl.recovery import faults
 from flowrl.errors import NodeTimeoutError
+from flowrl.recovery.recovery import Recovery
 from flowrl.runtime.scheduler import Runtime
 from tests.test_runtime import BIG, batches, graph_from
 
@@ -24,10 +25,10 @@ def _line_of(fn, text: str) -> int:
 SLEEP = f'graph_ops.py", line {_line_of(ops.fault.fn if hasattr(ops.fault, "fn") else ops.fault, "time.sleep(3600)")}'
 
 
-def _hang(backend: str, tmp_path, **node) -> NodeTimeoutError:
+def _hang(backend: str, tmp_path, fault: str | None = None, **node) -> NodeTimeoutError:
     g = graph_from("ppo.yaml", tmp_path, nodes__fault={"op": "test.fault", "role": "critic", "mode": "hang",
-                                                      "timeout_s": 1.0, **node})
-    rt = Runtime(g, backend=backend, resources=BIG)
+                                                      "timeout_s": 1.0, **node}, trainer__fault=fault)
+    rt = Runtime(g, backend=backend, resources=BIG, recovery=Recovery())
     try:
         with pytest.raises(NodeTimeoutError) as exc:
             list(rt.run(batches(4), steps=1))
@@ -48,15 +49,15 @@ def test_a_hung_operator_fails_with_the_line_it_sleeps_on_ray(ray_session, tmp_p
     assert SLEEP in msg and "in fault" in msg
 
 
-def test_the_fault_switch_hangs_a_chosen_node_and_the_stack_names_it(tmp_path, monkeypatch):
-    monkeypatch.setenv(faults.FAULT_ENV, "node=fault,step=1,kind=hang")
-    msg = str(_hang("local", tmp_path, mode="raise"))  # the switch fires before the operator runs
+def test_the_fault_switch_hangs_a_chosen_node_and_the_stack_names_it(tmp_path):
+    # the switch fires before the operator runs
+    msg = str(_hang("local", tmp_path, "node=fault,step=1,kind=hang", mode="raise"))
     assert f'faults.py", line {_line_of(faults._sleep_forever, "time.sleep")}' in msg
 
 
 def test_a_stopped_worker_is_named_as_stopped(ray_session, tmp_path):
     g = graph_from("ppo.yaml", tmp_path, nodes__values={"op": "test.values", "role": "critic", "timeout_s": 2.0})
-    rt = Runtime(g, backend="ray", resources=BIG).start()
+    rt = Runtime(g, backend="ray", resources=BIG, recovery=Recovery()).start()
     pid = rt.backend.pids[("critic", 0)]
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -99,24 +100,24 @@ def test_a_weight_sync_past_the_default_timeout_is_named_with_the_stack(tmp_path
 def test_a_checkpoint_state_that_never_comes_is_named():
     import concurrent.futures as cf
 
-    from flowrl.recovery.watchdog import get_within
+    from flowrl.runtime.hangs import get_within
 
     with pytest.raises(NodeTimeoutError) as exc:
         get_within(lambda h, timeout: h.result(timeout=timeout), cf.Future(), 0.05, "the state of gen[0]")
     assert "the state of gen[0] did not come within schedule.timeout_s=0.05" in str(exc.value)
 
 
-def test_a_rank_that_never_reaches_the_collective_is_named_and_the_node_marked_stuck(ray_session, monkeypatch):
+def test_a_rank_that_never_reaches_the_collective_is_named_and_the_node_marked_stuck(ray_session):
     from flowrl.graph import load_graph
     from flowrl.recovery.watchdog import TaskTimeout
     from tests.shared_runs import TWO
     from visualizer.live import LiveView
 
     # rank 1 hangs in Python before generating; rank 0 waits for it in the rollout's unshard collective
-    monkeypatch.setenv(faults.FAULT_ENV, "node=generate,step=1,rank=1,kind=hang")
-    g = load_graph("grpo", overrides={**TWO, "nodes.generate.timeout_s": 2})
+    g = load_graph("grpo", overrides={**TWO, "nodes.generate.timeout_s": 2,
+                                      "trainer.fault": "node=generate,step=1,rank=1,kind=hang"})
     progress: list[dict[str, str]] = []
-    rt = Runtime(g, backend="ray", on_progress=lambda step, states: progress.append(states))
+    rt = Runtime(g, backend="ray", on_progress=lambda step, states: progress.append(states), recovery=Recovery())
     try:
         with pytest.raises(TaskTimeout) as exc:
             list(rt.run(iter(batches_of(g)), steps=1))

@@ -24,7 +24,7 @@ _calls = itertools.count()
 
 @operator("test.nan_at_second_call", scope="group", group_key="uid", node_name="advantage",
           inputs={"token_level_rewards": "float32[B, R]", "response_mask": "int64[B, R]", "uid": "object[B]"},
-          outputs={"advantages": "float32[B, R]", "returns": "float32[B, R]"})
+          outputs={"advantages": "float32[B, R]", "returns": "float32[B, R]"}, token_mask="response_mask")
 def nan_at_second_call(batch, p):
     """Zero advantages; on its second call (step 2) row 2 holds a NaN."""
     adv = torch.zeros(batch["token_level_rewards"].shape)

@@ -74,3 +74,38 @@ def test_live_view_shows_where_light_nodes_really_run():
     text = rec.export_text()
     assert "reward.rule  @train" in text and "advantage.grpo  @train" in text
     assert "□ driver" not in text  # no node left on the driver: no legend row for it
+
+
+#: the operator metrics each built-in graph's live view showed before operators declared them: the
+#: old hard-coded list in the live view intersected with the keys a one-step run of the graph (with
+#: validation) reported, at d10bc53
+HEADLINE_BEFORE = {
+    **{name: {"reward/mean", "response_length/mean", "actor/pg_loss", "actor/approx_kl", "actor/entropy",
+              "val/reward/mean"}
+       for name in ("grpo", "grpo_async", "rloo", "remax", "grpo_skewed", "grpo_tools", "grpo_vision")},
+    "reinforce_pp": {"reward/mean", "response_length/mean", "actor/pg_loss", "actor/approx_kl", "actor/entropy",
+                     "actor/reward_kl_penalty", "val/reward/mean"},
+    "ppo": {"reward/mean", "response_length/mean", "actor/pg_loss", "actor/approx_kl", "actor/entropy",
+            "actor/reward_kl_penalty", "critic/vf_loss", "val/reward/mean"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(HEADLINE_BEFORE))
+def test_the_declared_headline_of_every_builtin_graph_is_what_the_view_showed_before(name):
+    g = load_graph(name)
+    headline = g.headline_metrics()
+    assert len(headline) == len(set(headline)) and set(headline) == HEADLINE_BEFORE[name]
+    # the step's flow orders it: what the generator reports before what the update reports
+    assert headline.index("response_length/mean") < headline.index("reward/mean") < headline.index("actor/pg_loss")
+    assert headline[-1] == "val/reward/mean"
+
+
+def test_the_plain_line_shows_the_graphs_headline_then_the_runs_own_metrics():
+    g = load_graph("ppo")
+    view = LiveView(g, total_steps=5, console=Console(file=io.StringIO(), width=400))
+    row = {key: 1.0 for key in ("actor/pg_loss", "critic/vf_loss", "reward/mean", "actor/clipfrac", "reward/max",
+                                "timing/step", "timing/generate", "throughput/tokens_per_s")}
+    shown = [part.split(" ")[0] for part in view.line(1, row).split("  ")[1:]]
+    order = g.headline_metrics()
+    assert shown == sorted(("critic/vf_loss", "reward/mean", "actor/pg_loss"), key=order.index) + [
+        "throughput/tokens_per_s", "timing/step"]

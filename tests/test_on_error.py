@@ -10,9 +10,10 @@ from flowrl.data import DataProto
 from flowrl.data.dispatch import DROPPED
 from flowrl.graph import load_graph
 from flowrl.graph.config import OnErrorConfig
-from flowrl.graph.registry import REGISTRY
+from flowrl.graph.registry import make_source
 from flowrl.errors import NodeError
-from flowrl.recovery.faults import FAULT_ENV, FaultSpecError, parse_fault, run_guarded
+from flowrl.recovery.faults import FaultSpecError, parse_fault, run_guarded
+from flowrl.recovery.recovery import Recovery
 from flowrl.runtime.scheduler import Runtime
 
 BIG = {"CPU": 64.0, "GPU": 0.0}
@@ -26,9 +27,7 @@ def grpo(**overrides):
 
 
 def prompts(graph, steps: int) -> list[DataProto]:
-    cfg = graph.config
-    spec = REGISTRY.source(cfg.data.source.split(":", 1)[0])
-    src = spec.factory(spec.config.model_validate(cfg.data.dump()), seed=cfg.trainer.seed, roles=cfg.roles)
+    src = make_source(graph.config)
     return [src.next_batch() for _ in range(steps)]
 
 
@@ -38,8 +37,7 @@ def run(graph, batches: list[DataProto], backend: str = "local") -> list[dict[st
 
 
 @pytest.fixture(autouse=True)
-def _no_failures(monkeypatch):
-    monkeypatch.delenv(FAULT_ENV, raising=False)
+def _no_failures():
     faulty.FAIL_ON.clear()
     yield
     faulty.FAIL_ON.clear()
@@ -88,15 +86,15 @@ def test_when_every_group_fails_drop_group_fails_the_step():
     assert "failed on each of 2 attempts" in str(exc.value)
 
 
-def test_retries_recover_from_a_transient_failure(monkeypatch):
-    monkeypatch.setenv(FAULT_ENV, "node=reward,step=2,kind=raise,times=1")
-    g = grpo(**{"nodes.reward.on_error": {"retries": 1, "backoff_s": 0.01}})
+def test_retries_recover_from_a_transient_failure():
+    retry = {"nodes.reward.on_error": {"retries": 1, "backoff_s": 0.01}}
+    g = grpo(**retry, **{"trainer.fault": "node=reward,step=2,kind=raise,times=1"})
     metrics = run(g, prompts(g, 2))
     assert [m.get("faults/retries", 0) for m in metrics] == [0, 1]
-    monkeypatch.setenv(FAULT_ENV, "node=reward,step=2,kind=raise")
+    g = grpo(**retry, **{"trainer.fault": "node=reward,step=2,kind=raise"})
     with pytest.raises(NodeError) as exc:
         run(g, prompts(g, 2))
-    assert exc.value.step == 1 and f"injected by {FAULT_ENV}" in str(exc.value)
+    assert exc.value.step == 1 and "injected by trainer.fault" in str(exc.value)
 
 
 def test_on_error_is_validated_with_the_node_and_field(tmp_path):
@@ -130,17 +128,18 @@ def test_the_python_front_end_takes_on_error():
     assert (policy.retries, policy.backoff_s, policy.then) == (2, 0.0, "drop_group")
 
 
-def test_groups_follow_uid_and_marks_reach_the_output():
+def test_groups_follow_the_declared_group_key_and_marks_reach_the_output():
     calls = []
 
     def op(b: DataProto):
         calls.append(len(b))
-        if "b" in set(b.non_tensor_batch["uid"]):
+        if "b" in set(b.non_tensor_batch["prompt"]):
             raise ValueError("no")
         return DataProto.from_dict({"s": b.batch["x"] * 2.0}), {"m": 1.0}
 
-    batch = DataProto.from_dict({"x": torch_arange(6)}, {"uid": np.array(list("aabbcc"), dtype=object)})
-    out, metrics = run_guarded(op, batch, OnErrorConfig(then="drop_group"))
+    # the groups are the values of the column the node declares its group key (any name)
+    batch = DataProto.from_dict({"x": torch_arange(6)}, {"prompt": np.array(list("aabbcc"), dtype=object)})
+    out, metrics = run_guarded(op, batch, OnErrorConfig(then="drop_group"), key="prompt")
     assert out.non_tensor_batch[DROPPED].tolist() == [False, False, True, True, False, False]
     assert out.batch["s"].tolist() == [0.0, 2.0, 0.0, 0.0, 8.0, 10.0]
     assert metrics["faults/dropped_groups"] == 1 and metrics["m"] == 1.0
@@ -157,11 +156,38 @@ def torch_arange(n):
 
 
 def test_the_fault_switch_parses_and_refuses_what_it_cannot_read():
+    from flowrl.graph.problems import GraphError
+
     f = parse_fault("node=reward,step=3,rank=0,kind=hang")
     assert (f.node, f.step, f.rank, f.kind, f.mb) == ("reward", 3, 0, "hang", None)
     for bad in ("node=reward", "node=reward,step=x", "node=reward,step=1,kind=explode", "node=r,step=1,when=now"):
         with pytest.raises(FaultSpecError):
             parse_fault(bad)
+        with pytest.raises(GraphError) as exc:  # the graph's key refuses it, named
+            grpo(**{"trainer.fault": bad})
+        assert "trainer.fault" in str(exc.value)
+    [problem] = grpo(**{"trainer.fault": "node=rewards,step=1"}).check(resources=BIG).errors
+    assert problem.field == "fault" and "'rewards', which is not a node" in problem.message
+    assert "did you mean 'reward'" in problem.fix
+
+
+def test_flowrl_run_switches_the_fault_on_from_the_command_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from flowrl.cli import FAULT_ENV, app
+
+    args = ["run", "grpo", "--backend", "local", "--steps", "2", "--out", str(tmp_path / "run"),
+            *[f"--set={k}={v}" for k, v in SMALL.items() if k != "nodes.reward.fn"]]
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    failed = CliRunner().invoke(app, [*args, "--fault", "node=reward,step=2,kind=raise"])
+    assert failed.exit_code == 1 and "injected by trainer.fault" in failed.output
+    assert "Traceback" not in failed.output
+    bad = CliRunner().invoke(app, [*args, "--fault", "node=reward,step=0"])
+    assert bad.exit_code == 1 and "trainer.fault" in bad.output and "steps count from 1" in bad.output
+    # the environment variable is the command's alias of --fault
+    monkeypatch.setenv(FAULT_ENV, "node=reward,step=1,kind=raise")
+    aliased = CliRunner().invoke(app, [*args, "--overwrite"])
+    assert aliased.exit_code == 1 and "injected by trainer.fault" in aliased.output
 
 
 REFILL = {"nodes.reward.on_error": "refill", "nodes.reward.fn": "tests.faulty_reward:flaky_score"}
@@ -174,7 +200,8 @@ def test_refill_replaces_the_failed_prompts_with_fresh_ones_and_keeps_every_grou
     g = grpo(**REFILL)
     full = prompts(g, 2)
     bad = [sum(faulty.fails(t) for t in b.non_tensor_batch["ground_truth"]) for b in full]
-    with Runtime(g, backend=backend, resources=BIG, fetch=["uid", "ground_truth", "token_level_scores"]) as rt:
+    with Runtime(g, backend=backend, resources=BIG, fetch=["uid", "ground_truth", "token_level_scores"],
+                 recovery=Recovery()) as rt:
         results = list(rt.run(iter(full), steps=2))
     for r, b, n_bad in zip(results, full, bad):
         assert r.metrics["faults/refilled_groups"] >= n_bad > 0

@@ -19,9 +19,11 @@ from flowrl.runtime.worker import RoleContext
 from operators import actor as actor_ops
 from operators import critic as critic_ops
 from operators import logprob
+from operators.algos import functional
 from operators.algos.functional import entropy_from_logits, logprobs_from_logits
 from operators.models import response_log_probs, response_values
 from operators.models.forward import pack_rows
+from operators.models.hf import hf
 from operators.models.microbatch import response_lengths, token_budget_split
 from operators.models.data_parallel import LossNorm
 from operators.roles import Actor, ActorConfig, Critic, ModelRoleConfig
@@ -194,6 +196,34 @@ def test_packed_rows_give_the_masked_full_width_pass(ragged_batch):
     assert pack_rows(holed, width) is None
     got = response_log_probs(model, ids, holed, pos, width, temperature=0.7)[0]
     assert torch.allclose(got[mask], logprobs_from_logits(masked_pass(holed), ids[:, -width:])[mask], atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [None, 49_152])
+def test_the_lm_head_chunk_by_chunk_gives_the_whole_logits_and_their_gradients(ragged_batch, vocab, monkeypatch):
+    """builtin:tiny, and a small Llama with SmolLM2's 49,152-token vocabulary, a few tokens' logits at a
+    time: the log-probs, entropy and gradients of the whole [B, R, V] logits of one masked pass."""
+    ids, attn, pos = (ragged_batch.batch[k] for k in ("input_ids", "attention_mask", "position_ids"))
+    width = ragged_batch.batch["responses"].shape[1]
+    mask = ragged_batch.batch["response_mask"].bool()
+    model = _actor().model
+    if vocab is not None:
+        config = model.config.__class__(**{**model.config.to_dict(), "vocab_size": vocab, "num_hidden_layers": 1})
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = hf("LlamaForCausalLM")(config)
+        ids = ids * 1009 % vocab  # tokens from the whole vocabulary
+    vocab_size = model.config.vocab_size
+    monkeypatch.setattr(functional, "LOGITS_CHUNK_ELEMENTS", 5 * vocab_size)  # 5 tokens a chunk
+    log_probs, entropy = response_log_probs(model, ids, attn, pos, width, temperature=0.7, with_entropy=True)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos).logits[:, -width - 1:-1] / 0.7
+    expected = logprobs_from_logits(logits, ids[:, -width:])
+    assert int(mask.sum()) > 5 * 4  # many chunks
+    torch.testing.assert_close(log_probs[mask], expected[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy[mask], entropy_from_logits(logits)[mask], atol=1e-5, rtol=0)
+    params = [p for p in model.parameters()]
+    ours = torch.autograd.grad(log_probs[mask].sum() + 0.1 * entropy[mask].sum(), params)
+    theirs = torch.autograd.grad(expected[mask].sum() + 0.1 * entropy_from_logits(logits)[mask].sum(), params)
+    assert all(_close(a, b) for a, b in zip(ours, theirs))
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -173,3 +173,25 @@ def test_simulated_tasks_share_the_cores_they_are_given():
     ends = simulate_steps(two, {k: (1.0 if t.node == "update_actor" else 0.0) for k, t in two.tasks.items()}, 4,
                           cpus=1)
     assert round(ends[3] - ends[2], 6) == 2.0
+
+
+def test_the_plans_timeline_is_one_step_of_the_simulator_and_its_critical_path_the_searchs():
+    from flowrl.plan.critical import critical_path
+    from flowrl.plan.simulate import bounds_of, spread
+
+    plan = make_plan(load_graph("grpo_async", overrides={"schedule.staleness": 0}))
+    measured = {"generate": 1.0, "update_actor": 2.0}  # seconds per step of each node; the rest declared
+    seconds = {k: t.cost for k, t in plan.tasks.items()} | spread(plan, measured)
+    assert spread(plan, measured) == {("generate", None): 1.0, ("update_actor", None): 2.0}
+    sim = plan.simulate(measured)
+    (end,) = simulate_steps(plan, seconds, 1)
+    assert sim.makespan == end == max(sim.end.values())
+    # the longest chain: every task of the step, generate first, the update last
+    cp = critical_path(plan.tasks, seconds, plan.order)
+    assert cp.path[0] == ("generate", None) and cp.path[-1] == ("update_actor", None)
+    assert cp.length == pytest.approx(sum(seconds.values())) == pytest.approx(sim.makespan)
+    assert bounds_of(plan, seconds)[0] == pytest.approx(cp.length)
+    # the planner's upward ranks are the same walk on declared costs: a task's cost and all after it
+    declared = critical_path(plan.tasks)
+    assert [plan.tasks[k].rank for k in plan.order] == [declared.upward_rank(k) for k in plan.order]
+    assert plan.tasks[("generate", None)].rank == pytest.approx(declared.length)

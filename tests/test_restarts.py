@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from flowrl.graph import load_graph
-from flowrl.recovery.faults import FAULT_ENV
+from flowrl.recovery.recovery import Recovery
 from flowrl.runtime.scheduler import Runtime
 from tests.test_on_error import BIG, prompts
 
@@ -21,25 +21,17 @@ def _same(metrics: dict[str, float]) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def runs(ray_session):
-    mp = pytest.MonkeyPatch()
-    g = load_graph("grpo_async", overrides={**SMALL, "pools.gen.max_restarts": 1})
     out = {}
-    try:
-        for name, fault in (("clean", None), ("killed", "node=generate,step=5,kind=kill")):
-            if fault is None:
-                mp.delenv(FAULT_ENV, raising=False)
-            else:
-                mp.setenv(FAULT_ENV, fault)
-            rt = Runtime(g, backend="ray", resources=BIG)
-            try:
-                # a checkpoint behind the step the worker died in: taken after the tasks run again
-                results = list(rt.run(iter(prompts(g, STEPS)), steps=STEPS, checkpoint=lambda t: t == 4))
-                out[name] = ([r.metrics for r in results], list(rt.restarts.events), dict(rt.backend.pids),
-                             {k: s["versions"] for k, s in results[4].checkpoint["workers"].items()})
-            finally:
-                rt.close()
-    finally:
-        mp.undo()
+    for name, fault in (("clean", None), ("killed", "node=generate,step=5,kind=kill")):
+        g = load_graph("grpo_async", overrides={**SMALL, "pools.gen.max_restarts": 1, "trainer.fault": fault})
+        rt = Runtime(g, backend="ray", resources=BIG, recovery=Recovery())
+        try:
+            # a checkpoint behind the step the worker died in: taken after the tasks run again
+            results = list(rt.run(iter(prompts(g, STEPS)), steps=STEPS, checkpoint=lambda t: t == 4))
+            out[name] = ([r.metrics for r in results], list(rt.recovery.restarts.events), dict(rt.backend.pids),
+                         {k: s["versions"] for k, s in results[4].checkpoint["workers"].items()})
+        finally:
+            rt.close()
     return out
 
 

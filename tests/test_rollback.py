@@ -9,7 +9,6 @@ import pytest
 from flowrl.data.metrics import measured
 from flowrl.graph import load_graph
 from flowrl.errors import RuntimeFailure
-from flowrl.recovery.faults import FAULT_ENV
 from flowrl.store.sinks import read_metrics
 from flowrl.run.trainer import Trainer
 
@@ -20,9 +19,8 @@ pytest.importorskip("ray")
 KILL = "node=update_actor,step=5,rank=1,kind=kill"
 
 
-def _train(out, fault: str, mp: pytest.MonkeyPatch, said: list[str], **extra):
-    mp.setenv(FAULT_ENV, fault)
-    g = load_graph("grpo", overrides={**TWO, **extra})
+def _train(out, fault: str, said: list[str], **extra):
+    g = load_graph("grpo", overrides={**TWO, "trainer.fault": fault, **extra})
     trainer = Trainer(g, backend="ray", steps=STEPS, out=out, say=said.append)
     try:
         return trainer, trainer.run(), None
@@ -33,13 +31,9 @@ def _train(out, fault: str, mp: pytest.MonkeyPatch, said: list[str], **extra):
 @pytest.fixture(scope="module")
 def runs(two_worker_grpo_run, tmp_path_factory):
     """The killed run, and the uninterrupted one (the session's: the same job without the restart)."""
-    mp = pytest.MonkeyPatch()
     root = tmp_path_factory.mktemp("rollback")
     said: list[str] = []
-    try:
-        trainer, history, error = _train(root / "killed", KILL, mp, said, **{"pools.train.max_restarts": 1})
-    finally:
-        mp.undo()
+    trainer, history, error = _train(root / "killed", KILL, said, **{"pools.train.max_restarts": 1})
     clean_dir, clean_rows = two_worker_grpo_run
     return {"clean": (None, clean_rows, None, [], clean_dir),
             "killed": (trainer, history, error, said, root / "killed")}
@@ -70,7 +64,7 @@ def test_a_killed_rank_rolls_the_run_back_and_it_ends_with_the_uninterrupted_met
 
 def test_the_rollback_names_the_worker_the_cause_and_the_step(runs):
     trainer, _, _, said, _ = runs["killed"]
-    [event] = trainer.runtime.restarts.events
+    [event] = trainer.recovery.restarts.events
     assert event.worker.startswith("train[1] (pid ") and event.step == 4 and event.rolled_back_to == 3
     assert "ActorDiedError" in event.cause or "RayActorError" in event.cause  # Ray's words for how it ended
     line = next(m for m in said if "rolled back" in m)
@@ -78,17 +72,21 @@ def test_the_rollback_names_the_worker_the_cause_and_the_step(runs):
 
 
 def test_a_rollback_before_the_first_checkpoint_fails_naming_the_worker(tmp_path):
-    from flowrl.recovery import rollback
     from flowrl.errors import WorkerDiedError
-    from flowrl.recovery.restarts import RollbackNeeded
+    from flowrl.recovery.recovery import Recovery
+    from flowrl.runtime.scheduler import Runtime
+    from flowrl.runtime.steps import Fail
 
     g = load_graph("grpo", overrides={**TWO, "pools.train.max_restarts": 1})
+    died = [("train", 1, "train[1] (pid 7)", "ActorDiedError: …")]
+    by_hand = Runtime(g, backend="local", recovery=Recovery())  # no run to resume: a rollback cannot happen
+    outcome = by_hand.recovery.roll_back(died, ["train"], 0)
+    assert isinstance(outcome, Fail) and isinstance(outcome.error, WorkerDiedError)
+    assert "flowrl run does that itself (pools.train.max_restarts)" in str(outcome.error)
     trainer = Trainer(g, backend="local", steps=STEPS, out=tmp_path, say=lambda m: None)
-    died = RollbackNeeded([("train", 1, "train[1] (pid 7)", "ActorDiedError: …")], ["train"], 0)
-    assert "flowrl run does that itself (pools.train.max_restarts)" in str(died)
-    with pytest.raises(WorkerDiedError) as exc:
-        rollback.roll_back(trainer, died, sinks=None)
-    text = str(exc.value)
+    outcome = trainer.recovery.roll_back(died, ["train"], 0)
+    assert isinstance(outcome, Fail) and isinstance(outcome.error, WorkerDiedError)
+    text = str(outcome.error)
     assert text.startswith("worker train[1] (pid 7) died at step 1 (ActorDiedError: …)")
     assert "none has been saved yet (the first comes after step 2)" in text
-    assert not trainer.runtime.restarts.events
+    assert not trainer.recovery.restarts.events

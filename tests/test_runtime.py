@@ -149,7 +149,9 @@ def test_a_task_queued_behind_slow_work_is_not_timed_out(tmp_path):
     # values[1] waits ~0.8 s behind values[0] on the critic pool: queued, not running past 0.5 s
     g = graph_from("ppo.yaml", tmp_path, nodes__values={"op": "test.values", "role": "critic", "sleep_s": 0.4,
                                                        "timeout_s": 0.5})
-    with Runtime(g, backend="local", resources=BIG) as rt:
+    from flowrl.recovery.recovery import Recovery
+
+    with Runtime(g, backend="local", resources=BIG, recovery=Recovery()) as rt:  # the watchdog on
         r = rt.run_step(next(batches(4)))
     assert r.metrics["timing/values"] >= 0.8
 
@@ -215,6 +217,29 @@ def test_run_step_can_be_called_repeatedly():
         second = rt.run_step(next(source), step=1)
     assert first.data.batch["policy_version"].tolist() == [0] * 4
     assert second.data.batch["policy_version"].tolist() == [1] * 4
+
+
+def test_driver_step_hooks_see_every_step_its_row_and_its_fields():
+    from flowrl.runtime.steps import StepHook
+
+    class Seen(StepHook):
+        def __init__(self) -> None:
+            self.rows: list[dict] = []
+            self.versions: list[list[int]] = []
+
+        def step_done(self, done) -> None:
+            done.row["hook/seen"] = 1.0  # a hook adds to the row the hooks after it see
+            self.rows.append(dict(done.row))
+            self.versions.append(done.read(["policy_version"]).batch["policy_version"].tolist())
+
+    first, second = Seen(), Seen()
+    g = load_graph(HERE / "data" / "ppo.yaml")
+    with Runtime(g, backend="local", resources=BIG, hooks=[first, second]) as rt:
+        results = list(rt.run(batches(4), steps=3))
+    assert [r["step"] for r in first.rows] == [1, 2, 3] and first.versions == [[0] * 4, [1] * 4, [2] * 4]
+    assert second.rows == first.rows and all(r["hook/seen"] == 1.0 for r in second.rows)
+    assert [r.data for r in results] == [None] * 3  # nothing fetched for the caller: the hooks read their own
+    assert [r["critic/vf_loss"] for r in first.rows] == [r.metrics["critic/vf_loss"] for r in results]
 
 
 def test_declared_order_runs_each_pool_as_written(tmp_path):

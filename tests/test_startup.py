@@ -79,3 +79,30 @@ def test_workers_asked_for_early_end_with_a_run_that_never_starts(ray_session, t
     mine = [pg for pg in ray_session.util.placement_group_table().values()
             if pg["name"].startswith(f"flowrl-train-{os.getpid()}-")]
     assert mine and all(pg["state"] == "REMOVED" for pg in mine)  # its workers' resources given back
+
+
+def test_a_local_ray_that_times_out_is_started_again_with_a_growing_pause(monkeypatch):
+    monkeypatch.delenv("FLOWRL_RAY_START_TRIES", raising=False)
+    calls, pauses, cleaned = [], [], []
+
+    def init():
+        calls.append(1)
+        if len(calls) < 3:
+            raise Exception("The current node timed out during startup. This could happen because ...")
+
+    ray_start._start_local(init, lambda: cleaned.append(1), sleep=pauses.append)
+    assert len(calls) == 3 and len(cleaned) == 2 and pauses == list(ray_start.BACKOFF_S)
+
+
+def test_a_ray_that_never_starts_is_one_named_error_that_touches_nothing(monkeypatch):
+    monkeypatch.setenv("FLOWRL_RAY_START_TRIES", "2")
+
+    def init():
+        raise Exception("The current node timed out during startup. This could happen because ...")
+
+    with pytest.raises(ray_start.RayStartError) as err:
+        ray_start._start_local(init, lambda: None, sleep=lambda s: None)
+    message = str(err.value)
+    assert "2 tries" in message and "The current node timed out during startup" in message
+    assert "checkpoints are untouched" in message and "--backend local" in message
+    assert "unreadable" not in message

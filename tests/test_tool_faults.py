@@ -106,6 +106,47 @@ def test_model_output_the_json_reader_chokes_on_is_a_bad_json_turn(text):
     assert traj.tool_errors == {"bad_json": 1} and traj.final_answer() == "3"
 
 
+def _regex_parse(text):
+    """The Hermes format as the regex it was parsed with before (quadratic on unclosed tags)."""
+    import re
+
+    found = [m.group(1).strip() for m in re.finditer(r"<tool_call>(.*?)</tool_call>", text, re.DOTALL)]
+    tail = text[text.rfind("</tool_call>") + len("</tool_call>"):] if found else text
+    return found, "<tool_call>" in tail
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_hermes_scan_finds_what_the_regex_found(seed):
+    import random
+
+    rng = random.Random(seed)
+    pieces = ["<tool_call>", "</tool_call>", '{"name": "add", "arguments": {"a": 1, "b": 2}}', "text ", "{", "\n"]
+    text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 30)))
+    calls, errors = HermesToolParser().parse(text)
+    bodies, unclosed = _regex_parse(text)
+    assert len(calls) + len(errors) == len(bodies) + unclosed
+    assert [e.kind for e in errors if e.kind == "unclosed_tag"] == (["unclosed_tag"] if unclosed else [])
+    assert len(calls) == sum(b == '{"name": "add", "arguments": {"a": 1, "b": 2}}' for b in bodies)
+
+
+@pytest.mark.timeout(60)  # a hang guard: quadratic scanning took 21.7 s at 8,000 tags, so ~50 min at 100,000
+@pytest.mark.parametrize("close", [False, True], ids=["unclosed", "closed_empty"])
+def test_a_hundred_thousand_tags_parse_in_one_pass(close):
+    import time
+
+    def seconds(n):
+        text = ("<tool_call>" + ("</tool_call>" if close else "")) * n
+        t0 = time.process_time()
+        calls, errors = HermesToolParser().parse(text)
+        took = time.process_time() - t0
+        assert calls == [] and len(errors) == (n if close else 1)
+        return took
+
+    small, large = seconds(10_000), seconds(100_000)
+    # ten times the tags: linear is ~10x the CPU time, quadratic ~100x (a ratio, not a wall time)
+    assert large < 40 * max(small, 1e-3)
+
+
 def test_a_parser_that_raises_is_a_parser_error_turn():
     class Fragile(ToolParser):
         def parse(self, text):

@@ -156,6 +156,13 @@ def case_dataset_without_reward_model(tmp: Path) -> list[str]:
     return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
 
 
+def case_dataset_with_a_byte_that_is_not_utf8(tmp: Path) -> list[str]:
+    good = json.dumps({"prompt": [{"role": "user", "content": "copy 1 2 ="}], "data_source": "x",
+                       "reward_model": {"ground_truth": "1 2"}})
+    (tmp / "d.jsonl").write_bytes(good.encode() + b"\n" + good.encode().replace(b"copy", b"c\xffpy") + b"\n")
+    return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
+
+
 def case_zero_row_dataset(tmp: Path) -> list[str]:
     (tmp / "d.jsonl").write_text("")
     return ["validate", "grpo", "--set", f"data.source={tmp / 'd.jsonl'}"]
@@ -240,6 +247,7 @@ CATALOGUE = [
     (case_misspelled_reward_fn, 1, ["node 'reward', field 'fn'", "unknown reward function 'arithh'"]),
     (case_dataset_without_reward_model, 1, ["missing required column 'reward_model'"]),
     (case_zero_row_dataset, 1, ["the file has no rows"]),
+    (case_dataset_with_a_byte_that_is_not_utf8, 1, ["line 2 is not UTF-8 text (byte 0xff at column", "save the file as UTF-8"]),
     (case_model_dir_without_config, 1, ["(no config.json)"]),
     (case_top_k_out_of_range, 1, ["field 'top_k'", "greater than or equal to -1"]),
     (case_kl_loss_without_reference, 1, ["use_kl_loss: true needs 'ref_log_prob'"]),
@@ -420,13 +428,16 @@ def test_a_pickled_callable_in_a_checkpoint_is_refused_without_running_it(tmp_pa
     assert [r["step"] for r in more] == [3, 4, 5]
 
 
-def test_the_directory_name_decides_the_step(tmp_path):
-    train(tmp_path, steps=2)
+def test_a_step_that_disagrees_with_its_directory_is_refused_by_name(tmp_path):
+    train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
     ck = CheckpointStore(tmp_path / "checkpoints").complete()[0]
     meta = json.loads((ck / "meta.json").read_text())
-    _replace_in_checkpoint(ck, "meta.json", json.dumps({**meta, "step": 40}).encode())  # an edited step is ignored
-    more = train(tmp_path, steps=3, resume=True)
-    assert [r["step"] for r in more] == [3]
+    # edited (or a checkpoint copied in under another step's name), manifest and all: never taken as step 41
+    _replace_in_checkpoint(ck, "meta.json", json.dumps({**meta, "step": 40}).encode())
+    said = []
+    more = train(tmp_path, steps=5, resume=True, say=said.append, **{"trainer.checkpoint_every": 2})
+    assert [r["step"] for r in more] == [3, 4, 5]  # from the checkpoint of step 2
+    assert any(ck.name in m and "40 + 1 steps" in m for m in said)
 
 
 def test_a_checkpoint_of_the_wrong_shape_falls_back_to_the_previous_one(tmp_path):
@@ -526,3 +537,77 @@ def test_a_full_disk_names_the_metrics_file_and_how_to_continue(tmp_path):
     with pytest.raises(OSError) as exc:
         sinks.write(1, {"step": 1, "reward/mean": 0.5})
     assert "cannot write /dev/full" in str(exc.value) and "--resume" in str(exc.value)
+
+
+# ---------------------------------------------------------------- checkpoints that prove themselves
+def _empty_manifest(ck: Path) -> None:
+    (ck / "manifest.json").write_text('{"format": 2, "files": {}}')
+
+
+def _manifest_files_a_list(ck: Path) -> None:
+    (ck / "manifest.json").write_text('{"format": 2, "files": []}')
+
+
+def _entry_without_sha256(ck: Path) -> None:
+    manifest = json.loads((ck / "manifest.json").read_text())
+    del manifest["files"]["meta.json"]["sha256"]
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _meta_nested_too_deep(ck: Path) -> None:
+    _replace_in_checkpoint(ck, "meta.json", b"[" * 100_000)
+
+
+def _shard_left_out(ck: Path) -> None:
+    manifest = json.loads((ck / "manifest.json").read_text())
+    for rel in [r for r in manifest["files"] if r.startswith("roles/")]:
+        del manifest["files"][rel]
+        (ck / rel).unlink()
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _older_directory_swapped_in(ck: Path) -> None:
+    older = CheckpointStore(ck.parent).complete()[1]
+    shutil.rmtree(ck)
+    shutil.copytree(older, ck)
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("two_checkpoints")
+    train(out, steps=4, **{"trainer.checkpoint_every": 2})
+    return out
+
+
+@pytest.mark.parametrize("spoil, says", [
+    (_empty_manifest, "is not in manifest.json"),
+    (_manifest_files_a_list, "is not a format-2 manifest"),
+    (_entry_without_sha256, "entry for 'meta.json' is not {bytes, sha256}"),
+    (_meta_nested_too_deep, "meta.json is nested deeper than any flowrl writes"),
+    (_shard_left_out, "manifest.json does not list roles/actor/ (no shard)"),
+    (_older_directory_swapped_in, "(a checkpoint moved or copied in)"),
+], ids=lambda v: v.__name__[1:] if callable(v) else None)
+def test_a_checkpoint_that_cannot_prove_itself_falls_back_naming_why(two_checkpoints, tmp_path, spoil, says):
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    store = CheckpointStore(run / "checkpoints")
+    newest, older = store.complete()
+    spoil(newest)
+    warned = []
+    _, meta, path = store.load_latest(warn=warned.append)
+    assert path == older and meta["step"] == 1
+    assert len(warned) == 1 and newest.name in warned[0] and says in warned[0]
+
+
+def test_a_refusal_that_needs_no_ray_comes_before_ray_starts(tmp_path):
+    """A ray run over another run's directory is refused before anything waits on Ray: pointed at a Ray
+    address nobody answers, it says the run directory's refusal, never the Ray cluster's."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1}\n')
+    res = cli("run", "grpo", "--address", "127.0.0.1:1", "--out", str(tmp_path / "run"), *TINY_SET)
+    both = flat(res.stdout + res.stderr)
+    assert res.returncode == 1 and "already holds a run (metrics.jsonl)" in both and "Traceback" not in both
+    assert "cannot reach the Ray cluster" not in both
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing lost
+    res = cli("run", "grpo", "--resume", "--address", "127.0.0.1:1", "--out", str(tmp_path / "empty"), *TINY_SET)
+    assert res.returncode == 1 and "nothing to resume" in flat(res.stdout + res.stderr)

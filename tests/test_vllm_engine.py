@@ -263,18 +263,7 @@ def test_a_run_on_vllm_trains_and_its_engine_processes_end_with_it(tmp_path):
     assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
 
 
-def fault_switch(monkeypatch: pytest.MonkeyPatch, spec: str | None) -> None:
-    """Turn the fault switch on (``spec``) or off for the runs started next: the one place this file
-    knows how the switch is set."""
-    from flowrl.recovery.faults import FAULT_ENV
-
-    if spec is None:
-        monkeypatch.delenv(FAULT_ENV, raising=False)
-    else:
-        monkeypatch.setenv(FAULT_ENV, spec)
-
-
-def test_weight_versions_go_on_across_a_killed_vllm_worker_and_a_resume(ray_session, tmp_path, monkeypatch):
+def test_weight_versions_go_on_across_a_killed_vllm_worker_and_a_resume(ray_session, tmp_path):
     """grpo_async on vLLM, on Ray: the rollout worker is killed at step 3 and replaced (its new engine
     starts from the weights its sync loads, with their version), then the run is resumed from its
     step-4 checkpoint. The samples of step t carry version t - 1 throughout: no repeat, no gap."""
@@ -289,14 +278,12 @@ def test_weight_versions_go_on_across_a_killed_vllm_worker_and_a_resume(ray_sess
             "trainer.val_every": 0, "trainer.checkpoint_every": 2, "trainer.dump_rollouts": True,
             "pools.gen.max_restarts": 1}
 
-    def run(steps: int, resume: bool = False) -> list[dict]:
-        graph = load_graph("grpo_async", overrides=sets)
+    def run(steps: int, resume: bool = False, fault: str | None = None) -> list[dict]:
+        graph = load_graph("grpo_async", overrides={**sets, "trainer.fault": fault})
         return Trainer(graph, backend="ray", steps=steps, out=tmp_path, resume=resume, say=lambda _: None).run()
 
-    fault_switch(monkeypatch, "node=generate,step=3,kind=kill")
-    first = run(4)
+    first = run(4, fault="node=generate,step=3,kind=kill")  # the fault switch: trainer.fault
     assert [r.get("faults/restarts", 0) for r in first] == [0, 0, 1, 0]
-    fault_switch(monkeypatch, None)
     rest = run(6, resume=True)
     assert [r["step"] for r in rest] == [5, 6]
     assert sample_versions(tmp_path) == [{0}, {0}, {1}, {2}, {3}, {4}]

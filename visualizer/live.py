@@ -26,15 +26,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
+from flowrl.data.metrics import step_seconds
 from flowrl.graph import Graph
 from visualizer.dag import pool_colors, render_dag
 
-#: the metrics shown, in order, when present
-SHOWN = (
-    "reward/mean", "response_length/mean", "actor/pg_loss", "actor/approx_kl", "actor/entropy",
-    "actor/reward_kl_penalty", "critic/vf_loss", "val/reward/mean", "throughput/tokens_per_s", "timing/step",
-    "scheduler/efficiency", "scheduler/pipeline_efficiency",
-)
+#: the run's own metrics shown after the graph's headline (``Graph.headline_metrics``: what its operators
+#: declare), when present
+RUN_METRICS = ("throughput/tokens_per_s", "timing/step", "scheduler/efficiency", "scheduler/pipeline_efficiency")
 SPARKS = "▁▂▃▄▅▆▇█"
 
 
@@ -70,7 +68,7 @@ def plan_line(row: dict[str, float]) -> str | None:
     """Predicted against measured step time and critical path, when the run checks its plan
     (``plan/predicted_step_s``, :mod:`flowrl.plan.plancheck`); None otherwise."""
     predicted = row.get("plan/predicted_step_s")
-    measured = row.get("timing/interval", row.get("timing/step"))
+    measured = step_seconds(row)
     if predicted is None or measured is None:
         return None
     out = f"plan: {measured:.3g} s/step measured, {predicted:.3g} predicted ({measured / predicted - 1:+.0%})"
@@ -86,6 +84,8 @@ class LiveView:
     def __init__(self, graph: Graph, total_steps: int, console: Console | None = None, start_step: int = 0,
                  min_interval_s: float = 2.0) -> None:
         self.graph, self.total = graph, total_steps
+        #: the metrics shown, in order, when present
+        self.shown = (*graph.headline_metrics(), *RUN_METRICS)
         self.console = console or Console()
         self.interactive = self.console.is_terminal and not self.console.is_dumb_terminal
         self.history: dict[str, list[float]] = {}
@@ -164,7 +164,7 @@ class LiveView:
     # ------------------------------------------------------------------ drawing
     def line(self, done: int, row: dict[str, float]) -> str:
         """The plain-text form of a step: ``step 12/300  reward/mean 0.41  ...``."""
-        parts = [f"step {done}/{self.total}"] + [f"{k} {row[k]:.4g}" for k in SHOWN if k in row]
+        parts = [f"step {done}/{self.total}"] + [f"{k} {row[k]:.4g}" for k in self.shown if k in row]
         if "plan/error" in row:
             parts.append(f"plan/error {row['plan/error']:+.0%}")
         return "  ".join(parts)
@@ -187,7 +187,7 @@ class LiveView:
         table.add_column("metric")
         table.add_column("last", justify="right")
         table.add_column("trend")
-        for key in SHOWN:
+        for key in self.shown:
             if key in self.last_row:
                 table.add_row(key, f"{self.last_row[key]:.4g}", sparkline(self.history.get(key, [])))
         return table

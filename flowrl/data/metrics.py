@@ -154,6 +154,12 @@ MEASURED_KEYS = frozenset({"scheduler/lower_bound", "scheduler/critical_path", "
                            "scheduler/pipeline_efficiency"})
 
 
+def step_seconds(row: dict[str, Any]) -> float | None:
+    """A step's measured seconds from its metrics row: the interval since the step before ended (steps
+    overlap under staleness), else its own makespan; None when the row has neither."""
+    return row.get("timing/interval", row.get("timing/step"))
+
+
 def measured(name: str) -> bool:
     """Whether metric ``name`` (``val/`` or not) measures the machine rather than the computation:
     what comparisons of two runs (``flowrl diff``, reproducibility checks) leave out."""
@@ -162,4 +168,4 @@ def measured(name: str) -> bool:
 
 
 __all__ = ["IDENTITY", "MAX", "MEASURED_KEYS", "MEASURED_PREFIXES", "MEAN", "MIN", "Metric", "REDUCTIONS", "Reduction",
-           "SUM", "maximum", "mean", "measured", "metric_value", "minimum", "reduce_metrics", "reduction_of", "total"]
+           "SUM", "maximum", "mean", "measured", "metric_value", "minimum", "reduce_metrics", "reduction_of", "step_seconds", "total"]

@@ -24,6 +24,7 @@ from flowrl.graph.problems import (
     DuplicateProducerError,
     FieldTypeError,
     GraphError,
+    GraphImportError,
     GraphProblem,
     GraphSyntaxError,
     MissingProducerError,
@@ -40,18 +41,18 @@ from flowrl.graph.config import GraphConfig
 from flowrl.graph.declare import operator
 from flowrl.graph.ir import Graph, Node, StateEdge
 from flowrl.graph.load import builtin_graphs, load_graph
-from flowrl.graph.registry import REGISTRY, role_kind, source
+from flowrl.graph.registry import REGISTRY, make_source, role_kind, source
 from flowrl.graph.role import Role, Stateful
-from flowrl.graph.spec import SOURCE, NoParams, OperatorOutputError, OperatorSpec, Params, StateSpec
+from flowrl.graph.spec import SOURCE, NoParams, OperatorOutputError, OperatorSpec, Params, StateSpec, TokenMetrics
 from flowrl.graph.trace import GraphBuilder, TracedBatch, graph
 
 __all__ = [
     "CycleError", "DataSourceError", "DuplicateProducerError", "FieldTypeError", "Graph", "GraphBuilder",
-    "GraphConfig", "GraphError", "GraphProblem", "GraphSyntaxError", "MissingProducerError", "Node",
+    "GraphConfig", "GraphError", "GraphImportError", "GraphProblem", "GraphSyntaxError", "MissingProducerError", "Node",
     "NoParams", "OperatorOutputError", "OperatorSpec", "ParameterError", "Params", "PoolError", "REGISTRY",
     "Report", "ResourceError", "Role", "RoleError", "RoleWithoutPoolError", "SOURCE", "SchemaError", "StateEdge", "StateSpec", "Stateful",
-    "TracedBatch", "UnknownOperatorError", "UnusedOutputWarning", "builtin_graphs", "check", "graph",
-    "load_graph", "operator", "role_kind", "source",
+    "TokenMetrics", "TracedBatch", "UnknownOperatorError", "UnusedOutputWarning", "builtin_graphs", "check", "graph",
+    "load_graph", "make_source", "operator", "role_kind", "source",
 ]
 
 

@@ -27,6 +27,7 @@ from flowrl.graph.problems import (
     CycleError,
     DataSourceError,
     DuplicateProducerError,
+    GraphImportError,
     FieldTypeError,
     GraphError,
     GraphProblem,
@@ -42,6 +43,7 @@ from flowrl.graph.problems import (
     UnresolvedInputWarning,
     UnusedOutputWarning,
 )
+from flowrl.graph.config import parse_fault
 from flowrl.graph.spec import SOURCE
 
 if TYPE_CHECKING:  # the IR calls these checks (Graph.check); they only read it
@@ -78,7 +80,7 @@ class Report:
 _BUILD_KINDS: dict[str, type[GraphProblem]] = {
     "unknown_operator": UnknownOperatorError,
     "parameter": ParameterError,
-    "import": SchemaError,
+    "import": GraphImportError,
     "source": DataSourceError,
     "role_kind": RoleError,
     "role_settings": ParameterError,
@@ -364,12 +366,14 @@ def _check_run_settings(graph: Graph, add) -> None:
                 fix="set trainer.checkpoint_every (a dead worker costs the steps since the last checkpoint), "
                     "or max_restarts: 0",
             ))
-    record = graph.config.trainer.record
-    for i, name in enumerate(record.nodes if record is not None else []):
+    record, fault = graph.config.trainer.record, graph.config.trainer.fault
+    named = [(("trainer", "record", "nodes", i), name) for i, name in enumerate(record.nodes if record else [])]
+    named += [(("trainer", "fault"), parse_fault(fault).node)] if fault is not None else []
+    for path, name in named:  # trainer keys that name a node
         if name not in graph.nodes:
             near = difflib.get_close_matches(name, list(graph.nodes), n=1, cutoff=0.5)
-            add(SchemaError(f"trainer.record.nodes names {name!r}, which is not a node of this graph",
-                            location=graph.locate("trainer", "record", "nodes", i), field="record",
+            add(SchemaError(f"{'.'.join(map(str, path[:3]))} names {name!r}, which is not a node of this graph",
+                            location=graph.locate(*path), field=path[1],
                             fix=(f"did you mean {near[0]!r}? " if near else "")
                             + f"the nodes are: {', '.join(graph.nodes)}"))
     if graph.config.trainer.val_every and graph.scorer() is None:

@@ -21,23 +21,27 @@ Example YAML::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from flowrl.errors import ConfigError
+from flowrl.graph.timeouts import COLLECTIVE_S, TASK_S
 
 #: keys of a node that are not operator parameters
 NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost", "on_error")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
 
 
 class RoleConfig(BaseModel):
     """A role: ``kind`` (default inferred), ``from``/``frozen`` to derive one role from
     another, and the kind's own settings (``model``, ``optim``...) as extra keys."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, populate_by_name=True)
 
     kind: str | None = None
     from_: str | None = Field(None, alias="from")
@@ -69,7 +73,7 @@ class PoolConfig(_Strict):
     roles: list[str] = Field(default_factory=list)
     backend: str = Field("cpu:gloo,cuda:nccl", description="torch.distributed backend per device type, "
                          "for a pool of more than one worker")
-    timeout_s: float = Field(300.0, gt=0, description="how long one collective of the pool's group may wait")
+    timeout_s: float = Field(COLLECTIVE_S, gt=0, description="how long one collective of the pool's group may wait")
     max_restarts: int = Field(0, ge=0, le=1000, description="dead workers replaced during the run (a pool of one "
                               "worker whose roles no node updates: one that generates or scores)")
 
@@ -78,7 +82,7 @@ class DataConfig(BaseModel):
     """The prompt source: ``source`` (``builtin:<task>`` or a parquet/jsonl path),
     ``batch_size`` prompts per step, and the source's own options as extra keys."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     source: str
     batch_size: int = Field(16, ge=1)
@@ -109,6 +113,60 @@ class OnErrorConfig(_Strict):
         return {"then": v} if isinstance(v, str) else v
 
 
+#: what a fault does when it fires: raise an error, hang forever, or kill the worker's process
+FAULT_KINDS = ("raise", "hang", "kill")
+
+
+class FaultSpecError(ConfigError, ValueError):
+    """A fault spec (``trainer.fault``, ``flowrl run --fault``) does not parse."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Where the fault switch fires: ``node`` at ``step`` (1-based), optionally one ``rank`` / ``mb``;
+    ``times``: on the first N attempts only (None: every attempt)."""
+
+    node: str
+    step: int
+    kind: str = "raise"
+    rank: int | None = None
+    mb: int | None = None
+    times: int | None = None
+
+    def matches(self, node: str, step: int, rank: int, mb: int | None) -> bool:
+        """Whether a task of ``node`` at (0-based) ``step`` on ``rank``, micro-batch ``mb``, is the one."""
+        return (node == self.node and step + 1 == self.step and self.rank in (None, rank)
+                and self.mb in (None, mb))
+
+
+def parse_fault(text: str) -> Fault:
+    """``node=reward,step=3,rank=0,kind=raise`` as a :class:`Fault` (a :class:`FaultSpecError` naming the bad part).
+
+    Example::
+
+        parse_fault("node=reward,step=3,kind=hang,times=1")   # Fault('reward', 3, 'hang', times=1)
+    """
+    fields: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        if not sep or key.strip() not in ("node", "step", "rank", "mb", "kind", "times"):
+            raise FaultSpecError(f"fault {text!r}: {part!r} is not one of node=, step=, rank=, mb=, kind=, times= "
+                                 "(e.g. 'node=reward,step=3,kind=raise')")
+        fields[key.strip()] = value.strip()
+    if "node" not in fields or "step" not in fields:
+        raise FaultSpecError(f"fault {text!r}: name the node and the step (node=reward,step=3)")
+    kind = fields.get("kind", "raise")
+    if kind not in FAULT_KINDS:
+        raise FaultSpecError(f"fault {text!r}: kind={kind!r} is not one of {', '.join(FAULT_KINDS)}")
+    try:
+        ints = {k: int(fields[k]) for k in ("step", "rank", "mb", "times") if k in fields}
+    except ValueError as e:
+        raise FaultSpecError(f"fault {text!r}: step, rank, mb and times are whole numbers ({e})") from None
+    if ints["step"] < 1:
+        raise FaultSpecError(f"fault {text!r}: steps count from 1")
+    return Fault(fields["node"], ints["step"], kind, ints.get("rank"), ints.get("mb"), ints.get("times"))
+
+
 class ScheduleConfig(_Strict):
     """How the step runs: micro-batches for streaming, the staleness bound of the
     weight edge (one number, or one per role), and the per-pool order policy."""
@@ -117,7 +175,7 @@ class ScheduleConfig(_Strict):
     staleness: int | dict[str, int] = 0
     order: Literal["critical_path", "declared"] = Field(
         "critical_path", description="per-pool order: list-scheduled critical path first, or as written")
-    timeout_s: float | None = Field(3600.0, gt=0, description="how long a node's task may run when the node sets "
+    timeout_s: float | None = Field(TASK_S, gt=0, description="how long a node's task may run when the node sets "
                                      "no timeout_s of its own (null: no limit); past it the step fails with "
                                      "the stuck worker's stack")
     colocate_light_nodes: bool = Field(
@@ -167,6 +225,16 @@ class TrainerConfig(_Strict):
         "warn", description="the per-step checks on fingerprints (weights changed, arrived, as planned; NaN): "
         "warn, stop the run (fatal), or off")
     record: RecordConfig | None = Field(None, description="save chosen nodes' outputs per step for flowrl replay")
+    fault: str | None = Field(None, description="inject a failure, for tests and rehearsals: "
+                              "'node=reward,step=3,rank=0,kind=raise|hang|kill,mb=0,times=1' (flowrl run --fault)")
+
+    @field_validator("fault")
+    @classmethod
+    def _fault_parses(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        parse_fault(v)
+        return v.strip()
 
 
 class NodeConfig(BaseModel):
@@ -174,7 +242,7 @@ class NodeConfig(BaseModel):
     ``role``, field renames, explicit ``after`` dependencies, a ``timeout_s``,
     an ``on_error`` policy, and the operator's parameters as the remaining keys."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     op: str
     role: str | None = None

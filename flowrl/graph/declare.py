@@ -17,7 +17,7 @@ Example::
               inputs={"token_level_rewards": "float32[B, R]", "values": "float32[B, R]",
                       "response_mask": "int64[B, R]"},
               outputs={"advantages": "float32[B, R]", "returns": "float32[B, R]"},
-              params=GAE, scope="batch")
+              params=GAE, scope="batch", token_mask="response_mask")
     def gae(batch, p: GAE):
         adv, ret = compute_gae(batch["token_level_rewards"], batch["values"],
                                batch["response_mask"], p.gamma, p.lam)
@@ -48,6 +48,7 @@ from flowrl.graph.spec import (
     Params,
     Scope,
     StateSpec,
+    TokenMetrics,
 )
 
 #: top-level packages whose operators are pickled by name (importable wherever flowrl is installed)
@@ -117,6 +118,9 @@ def operator(
     state: StateSpec | None = None,
     balance_by: str | None = None,
     group_key: str | None = None,
+    token_mask: str | None = None,
+    headline: tuple[str, ...] = (),
+    tokens: TokenMetrics | None = None,
     register: bool = True,
 ) -> Callable[[Callable[..., Any]], Operator]:
     """Declare (and register) an operator; see the module docstring.
@@ -140,7 +144,12 @@ def operator(
     (``attention_mask``): on a pool whose ranks form a process group, the plan
     runs the node data parallel with rows balanced by it. ``group_key`` names
     the input whose equal values mark one group (``uid``): a group-scoped node
-    run data parallel keeps each group on one rank.
+    run data parallel keeps each group on one rank. ``token_mask`` names the input or
+    output whose ones mark a row's real tokens (``response_mask``): the fingerprints of
+    its float fields of that shape summarise those tokens only. ``headline`` names the
+    metrics it reports that a person watches during a run (the live view shows
+    them, in the graph's order); ``tokens`` which of them count the tokens it
+    generated per row (:class:`TokenMetrics`: throughput, profiles).
     """
     if scope not in SCOPES:
         raise OperatorDeclarationError(f"operator {name!r}: scope must be one of {SCOPES}, not {scope!r}")
@@ -167,6 +176,14 @@ def operator(
     for what, key in (("balance_by", balance_by), ("group_key", group_key)):
         if key is not None and key not in (inputs or {}):
             raise OperatorDeclarationError(f"operator {name!r}: {what}={key!r} is not one of its inputs")
+    if token_mask is not None and token_mask not in (inputs or {}) and token_mask not in (outputs or {}):
+        raise OperatorDeclarationError(f"operator {name!r}: token_mask={token_mask!r} is neither an input nor an "
+                                       f"output")
+    if not isinstance(headline, (tuple, list)) or not all(isinstance(m, str) and m for m in headline):
+        raise OperatorDeclarationError(f"operator {name!r}: headline is a tuple of metric names, not {headline!r}")
+    if tokens is not None and not isinstance(tokens, TokenMetrics):
+        raise OperatorDeclarationError(f"operator {name!r}: tokens is a TokenMetrics(mean=..., max=...), "
+                                       f"not {tokens!r}")
     if updates_role and not role:
         raise OperatorDeclarationError(f"operator {name!r}: updates_role needs a role")
 
@@ -203,6 +220,9 @@ def operator(
             state=state,
             balance_by=balance_by,
             group_key=group_key,
+            token_mask=token_mask,
+            headline=tuple(headline),
+            tokens=tokens,
         )
         if register:
             REGISTRY.add_operator(spec)
@@ -212,4 +232,4 @@ def operator(
 
 
 __all__ = ["BY_REFERENCE", "NoParams", "Operator", "OperatorDeclarationError", "OperatorOutputError", "OperatorSpec",
-           "Params", "StateSpec", "find_operator", "operator"]
+           "Params", "StateSpec", "TokenMetrics", "find_operator", "operator"]

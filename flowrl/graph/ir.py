@@ -22,6 +22,8 @@ Example::
 
 from __future__ import annotations
 
+import difflib
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +34,8 @@ from flowrl.data.fields import Field
 from flowrl.graph.checks import Report, check
 from flowrl.graph.config import GraphConfig, NodeConfig, RoleConfig
 from flowrl.graph.problems import BuildProblem, Location
-from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError, load_module
-from flowrl.graph.spec import SOURCE, OperatorSpec, Params
+from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError, load_module, source_kind
+from flowrl.graph.spec import SOURCE, OperatorSpec, Params, TokenMetrics
 
 
 @dataclass
@@ -153,9 +155,8 @@ class Graph:
 
     def _resolve_source(self) -> None:
         data = self.config.data
-        kind = data.source.split(":", 1)[0] if ":" in data.source else "file"
         try:
-            spec = REGISTRY.source(kind)
+            spec = REGISTRY.source(source_kind(data.source))
         except UnknownNameError as e:
             self.problems.append(BuildProblem("source", f"unknown data source kind {e.name!r}",
                                               path=("data", "source"),
@@ -168,7 +169,7 @@ class Graph:
             for err in e.errors():
                 self.problems.append(BuildProblem(
                     "parameter", f"data: {_pydantic_msg(err)}", path=("data", *err["loc"]),
-                    fix=_param_fix(spec.config),
+                    fix=_param_fix(spec.config, err),
                 ))
             return
         self.source_fields = spec.fields(cfg)
@@ -201,7 +202,7 @@ class Graph:
                 for err in e.errors():
                     self.problems.append(BuildProblem(
                         "role_settings", f"role {name!r}: {_pydantic_msg(err)}",
-                        path=("roles", name, *err["loc"]), fix=_param_fix(REGISTRY.roles[kind].config),
+                        path=("roles", name, *err["loc"]), fix=_param_fix(REGISTRY.roles[kind].config, err),
                     ))
 
     def _role_kind(self, name: str, roles: dict[str, RoleConfig], seen: set[str]) -> str | None:
@@ -247,7 +248,7 @@ class Graph:
                 self.problems.append(BuildProblem(
                     "parameter", f"operator {op.name!r}: {_pydantic_msg(err)}", node=name,
                     field=str(err["loc"][0]) if err["loc"] else None,
-                    path=("nodes", name, *err["loc"]), fix=_param_fix(op.params),
+                    path=("nodes", name, *err["loc"]), fix=_param_fix(op.params, err),
                 ))
         node.role = cfg.role if cfg.role is not None else op.role
         for what, declared, renames in (("input", op.inputs, cfg.inputs), ("output", op.outputs, cfg.outputs)):
@@ -282,7 +283,7 @@ class Graph:
     def _add_edge(self, src: str, dst: str, field_name: str | None, kind: str) -> None:
         if self.dag.has_edge(src, dst):
             data = self.dag.edges[src, dst]
-            if field_name:
+            if field_name and field_name not in data["fields"]:  # read under two names, carried once
                 data["fields"].append(field_name)
             if kind == "data":
                 data["kind"] = "data"
@@ -353,6 +354,18 @@ class Graph:
             if node.op is not None and node.op.score is not None:
                 return name, node.config.outputs.get(node.op.score, node.op.score)
         return None
+
+    def headline_metrics(self) -> list[str]:
+        """The metrics a person watches (the live view's headline): each node's declared ``headline``
+        in the step's order, then the scoring node's again under ``val/`` (what validation reports)."""
+        ops = [self.nodes[n].op for n in self.topological_order() if self.nodes[n].op is not None]
+        scorer = self.scorer()
+        val = [f"val/{m}" for m in self.nodes[scorer[0]].op.headline] if scorer else []
+        return list(dict.fromkeys([m for op in ops for m in op.headline] + val))
+
+    def token_metrics(self) -> TokenMetrics | None:
+        """Where the run reads the tokens generated per row: the first node's declared ``tokens``."""
+        return next((n.op.tokens for n in self.nodes.values() if n.op is not None and n.op.tokens), None)
 
     def topological_order(self) -> list[str]:
         """Nodes in a dependency order (declaration order breaks ties)."""
@@ -425,6 +438,27 @@ def _pydantic_msg(err: dict[str, Any]) -> str:
     return f"parameter {loc!r}: {err['msg']} (got {got!r})" if loc else f"{err['msg']} (got {got!r})"
 
 
-def _param_fix(model: type) -> str:
-    names = list(getattr(model, "model_fields", {}))
-    return f"valid parameters: {', '.join(names)}" if names else "it takes no parameters"
+def _param_fix(model: type, err: dict[str, Any]) -> str:
+    """What to do about one pydantic error of ``model``: for an unknown key, the closest valid one
+    and the keys valid at that level; otherwise what the value must be."""
+    loc = [str(x) for x in err["loc"]]
+    if err["type"] == "extra_forbidden":
+        names = _field_names(model, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], names, n=1) if loc else []
+        listed = f"valid parameters: {', '.join(names)}" if names else "it takes no parameters"
+        return f"did you mean {close[0]!r}? {listed}" if close else listed
+    where = ".".join(loc) or "the value"
+    if err["type"] == "missing":
+        return f"set {where!r}"
+    return f"change {where!r}: {err['msg'][:1].lower()}{err['msg'][1:]}"
+
+
+def _field_names(model: type, path: list[str]) -> list[str]:
+    """The field names of ``model``'s nested model at ``path`` (its own where the path leaves models)."""
+    for key in path:
+        field = getattr(model, "model_fields", {}).get(key)
+        inner = field.annotation if field is not None else None
+        if not (isinstance(inner, type) and hasattr(inner, "model_fields")):
+            break
+        model = inner
+    return list(getattr(model, "model_fields", {}))

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from flowrl.graph.config import GraphConfig, PoolConfig, ScheduleConfig, TrainerConfig
 from flowrl.graph.ir import Graph
-from flowrl.graph.problems import GraphError, GraphProblem, GraphSyntaxError, Location, SchemaError
+from flowrl.graph.problems import GraphError, GraphImportError, GraphProblem, GraphSyntaxError, Location, SchemaError
 from flowrl.graph.registry import ImportPathError, load_module
 
 
@@ -56,7 +56,7 @@ def load_graph(ref: str | Path, overrides: dict[str, Any] | None = None) -> Grap
         return load_yaml(path, overrides)
     if path.suffix == ".py" or (":" in ref_s and not path.exists()):
         return load_python(ref_s, overrides)
-    if not path.exists() and ref_s in builtin_graphs():
+    if ref_s in builtin_graphs():  # a bare name: a local folder or file called "grpo" is no graph file
         return load_yaml(builtin_graphs()[ref_s], overrides)
     names = ", ".join(builtin_graphs()) or "(none found)"
     raise GraphError([SchemaError(
@@ -231,7 +231,7 @@ def load_python(ref: str, overrides: dict[str, Any] | None = None) -> Graph:
         _importable_beside(mod_ref)
         module = load_module(mod_ref)
     except ImportPathError as e:
-        raise GraphError([GraphSyntaxError(str(e), location=Location(mod_ref))]) from None
+        raise GraphError([GraphImportError(str(e), location=Location(mod_ref))]) from None
     except SyntaxError as e:
         raise GraphError([GraphSyntaxError(f"Python syntax error: {e.msg}",
                                            location=Location(e.filename, e.lineno))]) from None

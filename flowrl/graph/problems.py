@@ -82,6 +82,12 @@ class GraphSyntaxError(GraphProblem):
     title = "syntax"
 
 
+class GraphImportError(GraphProblem):
+    """A module the graph names (its ``imports``, a Python graph file, an operator's path) did not import."""
+
+    title = "import"
+
+
 class SchemaError(GraphProblem):
     """A key is unknown, missing or of the wrong type in the graph file."""
 

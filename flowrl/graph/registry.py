@@ -5,10 +5,14 @@ module through the ``flowrl.operators`` entry-point group (flowrl's own
 ``operators`` package does); a user's module plugs in by import path
 (``op: mypkg.ops:length_penalty``) or through a graph's ``imports:`` list.
 
+A graph's data source is made in one place, :func:`make_source` (the run, its
+validation prompts and refills all draw through it).
+
 Example::
 
-    from flowrl.graph.registry import REGISTRY
+    from flowrl.graph.registry import REGISTRY, make_source
     spec = REGISTRY.operator("advantage.gae")
+    prompts = make_source(graph.config)          # seeded by trainer.seed
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import sys
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from pydantic import BaseModel
 
@@ -28,6 +32,9 @@ from flowrl.errors import ConfigError
 from flowrl.data.fields import Field
 from flowrl.graph.role import Role
 from flowrl.graph.spec import OperatorSpec
+
+if TYPE_CHECKING:
+    from flowrl.graph.config import GraphConfig
 
 ENTRY_POINT_GROUP = "flowrl.operators"
 
@@ -215,6 +222,27 @@ class Registry:
 
 
 REGISTRY = Registry()
+
+
+def source_kind(source: str) -> str:
+    """The registered kind a ``data.source`` names: ``builtin:copy`` → ``builtin``; a path → ``file``."""
+    return source.split(":", 1)[0] if ":" in source else "file"
+
+
+def make_source(config: GraphConfig, *, seed: int | None = None, split: str | None = None) -> Any:
+    """The data source ``config.data`` declares, built by its registered factory with the graph's roles
+    (a source may take its tokenizer from a role's model): seeded by ``trainer.seed`` unless ``seed``
+    is given; ``split="val"`` for the held-out prompts (default: the factory's own, the training split).
+
+    Example::
+
+        source = make_source(graph.config)
+        batch = next(source)
+    """
+    spec = REGISTRY.source(source_kind(config.data.source))
+    data = spec.config.model_validate(config.data.dump())
+    extra = {} if split is None else {"split": split}
+    return spec.factory(data, seed=config.trainer.seed if seed is None else seed, roles=config.roles, **extra)
 
 
 def source(kind: str, *, config: type[BaseModel], fields: Callable[[Any], Mapping[str, str | Field]]):

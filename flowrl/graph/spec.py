@@ -38,7 +38,7 @@ SCOPES: tuple[str, ...] = ("row", "group", "batch")
 class Params(BaseModel):
     """Base class of operator parameters: typed, defaulted, no unknown keys."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, arbitrary_types_allowed=True)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, frozen=True, arbitrary_types_allowed=True)
 
 
 class NoParams(Params):
@@ -68,6 +68,16 @@ class StateSpec:
 
 
 @dataclass(frozen=True)
+class TokenMetrics:
+    """Which of an operator's metrics count the tokens it generated per row, so that the core reads
+    them without naming an RL metric: ``mean`` over the rows (a step's token throughput) and ``max``
+    (the longest row, which a profile sizes a step by)."""
+
+    mean: str
+    max: str
+
+
+@dataclass(frozen=True)
 class OperatorSpec:
     """Everything the graph layer knows about an operator, without running it."""
 
@@ -94,6 +104,9 @@ class OperatorSpec:
     state: "StateSpec | None" = None  # state kept across steps (checkpointed, same on every rank)
     balance_by: str | None = None  # the input whose ones are a row's real tokens: data-parallel balancing
     group_key: str | None = None  # the input whose equal values mark one group (rows kept on one rank)
+    token_mask: str | None = None  # the input or output whose ones mark a row's real tokens (fingerprint statistics)
+    headline: tuple[str, ...] = field(default=())  # metrics a person watches (the live view), in order
+    tokens: "TokenMetrics | None" = None  # the metrics that count the tokens it generated per row
 
     def expansion(self, params: Params | None) -> int:
         """How many output rows each input row becomes (``n`` samples per prompt), else 1."""
@@ -195,4 +208,4 @@ class OperatorSpec:
 
 
 __all__ = ["SOURCE", "NoParams", "OperatorDeclarationError", "OperatorOutputError", "OperatorSpec", "Params", "SCOPES",
-           "Scope", "StateSpec"]
+           "Scope", "StateSpec", "TokenMetrics"]

@@ -6,9 +6,11 @@ each node's line through the median seconds of each row count
 to itself (:func:`solo_seconds`: the run's own tasks shared the machine's
 cores, which the prediction then shares again the same way), how far each line
 is from its samples (:func:`residuals`), and the per-task latency and per-step
-driver work that the task durations do not hold (:func:`calibrate_overheads`).
-:func:`predict_step` is the one prediction the profile calibrates, the search
-ranks and every run checks itself against.
+driver work that the task durations do not hold (:func:`calibrate_overheads`,
+:func:`calibrated`). :func:`predict_step` is the one prediction the profile
+calibrates, the search ranks and every run checks itself against. What a run's
+metrics say each node took is read here once (:func:`node_seconds`, :func:`metric_samples`), for
+``flowrl plan --measured``, the profile of a run without a trace and the plan check.
 
 Example::
 
@@ -20,14 +22,14 @@ Example::
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Iterable
 
 import numpy as np
 
 from flowrl.plan.costs import WARMUP, CostFile, NodeCost, Record, rank_rows, task_seconds
 from flowrl.plan.planner import Plan
 from flowrl.plan.pools import DRIVER
-from flowrl.plan.simulate import seconds_per_step
+from flowrl.plan.simulate import seconds_per_step, spread
 
 #: steps simulated back to back: enough for the pipeline of the largest staleness tried to fill
 SIM_STEPS = 8
@@ -47,6 +49,16 @@ def predict_step(plan: Plan, costs: CostFile, cpus: float | None, steps: int = S
     return seconds_per_step(plan, task_seconds(plan, costs), steps, cpus, costs.step_overhead_s)
 
 
+def with_overheads(costs: CostFile, latency: float, overhead: float) -> CostFile:
+    """``costs`` with a task latency and a per-step driver overhead of these seconds."""
+    return costs.model_copy(update={"task_latency_s": latency, "step_overhead_s": overhead})
+
+
+def calibrated(costs: CostFile, runs: list[tuple[Plan, float]], cpus: float | None) -> CostFile:
+    """``costs`` with the task latency and per-step overhead :func:`calibrate_overheads` finds in ``runs``."""
+    return with_overheads(costs, *calibrate_overheads(runs, costs, cpus))
+
+
 def calibrate_overheads(runs: list[tuple[Plan, float]], costs: CostFile, cpus: float | None) -> tuple[float, float]:
     """``(task latency, per-step overhead)``: what the runs' measured seconds per step (``(plan,
     measured)``) hold beyond their tasks' durations, by least squares of the relative error over the
@@ -59,7 +71,7 @@ def calibrate_overheads(runs: list[tuple[Plan, float]], costs: CostFile, cpus: f
         return 0.0, 0.0
 
     def at(latency: float, overhead: float) -> list[float]:
-        c = costs.model_copy(update={"task_latency_s": latency, "step_overhead_s": overhead})
+        c = with_overheads(costs, latency, overhead)
         return [predict_step(p, c, cpus)[0] for p, _ in runs]
 
     measured = np.array([m for _, m in runs])
@@ -164,12 +176,20 @@ def metric_samples(plan: Plan, rows: list[dict[str, Any]], skip_steps: int = WAR
     """The same from ``metrics.jsonl``: ``timing/<node>`` is the sum of its tasks' (slowest-rank) seconds."""
     out: dict[str, list[tuple[float, float]]] = {}
     for row in rows[skip_steps:]:
-        for node in plan.graph.nodes:
-            if f"timing/{node}" not in row:
-                continue
-            tasks = plan.node_tasks(node)
-            per_task = row[f"timing/{node}"] / len(tasks)
-            out.setdefault(node, []).extend((rank_rows(plan, t), per_task) for t in tasks)
+        measured = {n: row[f"timing/{n}"] for n in plan.graph.nodes if f"timing/{n}" in row}
+        for key, sec in spread(plan, measured).items():
+            out.setdefault(key[0], []).append((rank_rows(plan, plan.tasks[key]), sec))
+    return out
+
+
+def node_seconds(rows: list[dict[str, Any]], nodes: Iterable[str]) -> dict[str, float]:
+    """Each node's measured seconds per step: the median of its ``timing/<node>`` over ``rows`` (metrics
+    rows); nodes never timed are left out."""
+    out: dict[str, float] = {}
+    for n in nodes:
+        xs = [r[f"timing/{n}"] for r in rows if f"timing/{n}" in r]
+        if xs:
+            out[n] = statistics.median(xs)
     return out
 
 
@@ -211,5 +231,6 @@ def median_or_zero(xs: list[float]) -> float:
 
 
 
-__all__ = ["SIM_STEPS", "calibrate_overheads", "cores_for", "fit_line", "median_or_zero", "metric_samples", "node_samples",
-           "predict_step", "residuals", "solo_seconds", "step_intervals", "world_factors"]
+__all__ = ["SIM_STEPS", "calibrate_overheads", "calibrated", "cores_for", "fit_line", "median_or_zero", "metric_samples",
+           "node_samples", "node_seconds", "predict_step", "residuals", "solo_seconds", "step_intervals",
+           "with_overheads", "world_factors"]

@@ -52,7 +52,7 @@ class CostFileError(ConfigError, ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class NodeCost(_Strict):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import networkx as nx
 
+from flowrl.plan.critical import critical_path
 from flowrl.plan.pools import DRIVER
 
 if TYPE_CHECKING:
@@ -26,14 +27,10 @@ if TYPE_CHECKING:
 
 
 def upward_ranks(tasks: dict[tuple[str, int | None], Task]) -> None:
-    g = nx.DiGraph()
+    """Set each task's ``rank``: its critical path to the end of the step, by declared cost."""
+    cp = critical_path(tasks)
     for key, t in tasks.items():
-        g.add_node(key)
-        for d in t.deps:
-            g.add_edge(d, key)
-    for key in reversed(list(nx.topological_sort(g))):
-        succ = [tasks[s].rank for s in g.successors(key)]
-        tasks[key].rank = tasks[key].cost + (max(succ) if succ else 0.0)
+        t.rank = cp.upward_rank(key)
 
 
 def declared_order(tasks: dict[tuple[str, int | None], Task], nodes: list[str]) -> list[tuple[str, int | None]]:

@@ -19,14 +19,14 @@ Example::
 from __future__ import annotations
 
 import os
-import statistics
 from pathlib import Path
 from typing import Any, Callable
 
-from flowrl.plan.costfit import cores_for, predict_step
+from flowrl.data.metrics import step_seconds
+from flowrl.plan.costfit import cores_for, node_seconds, predict_step
 from flowrl.plan.costs import COST_FILE, CostFile, CostFileError, load_costs, task_seconds
 from flowrl.plan.planner import Plan, TaskKey
-from flowrl.plan.simulate import bounds_of, seconds_per_step
+from flowrl.plan.simulate import bounds_of, seconds_per_step, spread
 
 #: relative error past which the node that drifted most is named
 DRIFT = 0.25
@@ -45,11 +45,13 @@ class PlanCheck:
                 self.costs = load_costs(path, plan.graph)
             except CostFileError as e:
                 say(f"plan check: not using {path}: {e}")
-        self.seen: dict[str, list[float]] = {}  # node → measured seconds per step so far
+        self.seen: list[dict[str, float]] = []  # the timing/<node> of the steps so far (the first left out)
         self.warned: set[str] = set()
         self.steps = 0
 
-    def node_seconds(self, seconds: dict[TaskKey, float]) -> dict[str, float]:
+    @staticmethod
+    def per_node(seconds: dict[TaskKey, float]) -> dict[str, float]:
+        """Task seconds summed by node (what ``timing/<node>`` measures)."""
         out: dict[str, float] = {}
         for (node, _), s in seconds.items():
             out[node] = out.get(node, 0.0) + s
@@ -62,23 +64,20 @@ class PlanCheck:
             step_s = predict_step(self.plan, self.costs, cores_for(self.plan, float(os.cpu_count() or 1)), STEPS)[0]
             seconds = task_seconds(self.plan, self.costs)
         elif self.seen:  # measured as they ran, sharing the cores already: simulated with a device each
-            per_node = {n: statistics.median(xs) for n, xs in self.seen.items()}
-            seconds = {k: per_node.get(t.node, 0.0) / len(self.plan.node_tasks(t.node))
-                       for k, t in self.plan.tasks.items()}
+            seconds = spread(self.plan, node_seconds(self.seen, self.plan.graph.nodes), missing=0.0)
             step_s = seconds_per_step(self.plan, seconds, STEPS)[0]
         else:
             return None
-        return step_s, self.node_seconds(seconds), bounds_of(self.plan, seconds)[0]
+        return step_s, self.per_node(seconds), bounds_of(self.plan, seconds)[0]
 
     def observe(self, row: dict[str, Any]) -> dict[str, float]:
         """The step's ``plan/*`` metrics from its metrics row (``timing/*``); warns on drift."""
         self.steps += 1
         prediction = self.predicted()
-        measured = row.get("timing/interval", row.get("timing/step"))
+        measured = step_seconds(row)
         nodes = {n: row[f"timing/{n}"] for n in self.plan.graph.nodes if f"timing/{n}" in row}
-        if self.steps > 1:  # the first step warms up: it predicts nothing for later ones
-            for n, s in nodes.items():
-                self.seen.setdefault(n, []).append(s)
+        if self.steps > 1 and nodes:  # the first step warms up: it predicts nothing for later ones
+            self.seen.append({f"timing/{n}": s for n, s in nodes.items()})
         if prediction is None or not measured:
             return {}
         step_s, per_node, critical = prediction

@@ -122,6 +122,11 @@ class Plan:
         return [self] + ([self.validation] if self.validation is not None else [])
 
     @property
+    def staleness_bound(self) -> int:
+        """The largest staleness bound its tasks' gates allow (0: steps in lockstep)."""
+        return max((g.staleness for t in self.tasks.values() for g in t.gates), default=0)
+
+    @property
     def driver(self) -> bool:
         """Whether any task (of this plan or validation) runs on the driver: it needs a driver worker."""
         return any(t.pool == DRIVER for p in self.runs() for t in p.tasks.values())

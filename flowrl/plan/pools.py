@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowrl.graph import REGISTRY, Graph
+from flowrl.graph.timeouts import COLLECTIVE_S
 
 #: the pseudo-pool of stateless nodes that run on the driver
 DRIVER = "driver"
@@ -46,7 +47,7 @@ class PoolSpec:
     gpus: float
     roles: list[RoleBuild]
     backend: str = "cpu:gloo,cuda:nccl"  # torch.distributed, per device type (a pool of N > 1)
-    timeout_s: float = 300.0  # one collective's limit
+    timeout_s: float = COLLECTIVE_S  # one collective's limit
 
 
 def pool_specs(graph: Graph) -> list[PoolSpec]:

@@ -28,6 +28,7 @@ from flowrl.errors import ConfigError
 from flowrl.graph import Graph, GraphError
 from flowrl.plan.costfit import cores_for, predict_step
 from flowrl.plan.costs import GIB, CostFile, device_memory, task_seconds
+from flowrl.plan.critical import critical_path
 from flowrl.plan.planner import Plan, PlanError, TaskKey, make_plan
 from flowrl.plan.pools import DRIVER
 from flowrl.plan.simulate import pool_work
@@ -209,28 +210,12 @@ def evaluate(graph: Graph, costs: CostFile, budget: Budget, overrides: dict[str,
     out.step_s, out.makespan_s = predict_step(plan, costs, cores_for(plan, budget.cpus * budget.nodes))
     work = pool_work(plan, seconds)
     out.utilisation = {p: min(1.0, w / out.step_s) if out.step_s > 0 else 0.0 for p, w in work.items()}
-    out.critical, length = critical_path(plan, seconds)
+    cp = critical_path(plan.tasks, seconds, plan.order)
+    out.critical, length = cp.path, cp.length
     busiest = max(work.items(), key=lambda kv: kv[1], default=("", 0.0))
     out.bound = (f"pool {busiest[0]!r} busy {busiest[1]:.3g}s of each step" if busiest[1] >= length
                  else f"critical path {length:.3g}s")
     return out
-
-
-def critical_path(plan: Plan, seconds: dict[TaskKey, float]) -> tuple[list[TaskKey], float]:
-    """The longest chain of dependent tasks in one step, and its seconds."""
-    best: dict[TaskKey, tuple[float, TaskKey | None]] = {}
-    for key in plan.order:
-        prev = max(((best[d][0], d) for d in plan.tasks[key].deps), default=(0.0, None))
-        best[key] = (prev[0] + seconds.get(key, 0.0), prev[1])
-    if not best:
-        return [], 0.0
-    key: TaskKey | None = max(best, key=lambda k: best[k][0])
-    length = best[key][0]
-    path = []
-    while key is not None:
-        path.append(key)
-        key = best[key][1]
-    return path[::-1], length
 
 
 def search(graph: Graph, build: Callable[[dict[str, Any]], Graph], costs: CostFile, budget: Budget,
@@ -305,4 +290,4 @@ def why(result: SearchResult) -> str:
 
 
 __all__ = ["ASSUMPTIONS", "Budget", "Outcome", "SearchError", "SearchResult", "candidates", "check_budget",
-           "critical_path", "describe", "evaluate", "pool_layouts", "search", "set_partitions", "why"]
+           "describe", "evaluate", "pool_layouts", "search", "set_partitions", "why"]

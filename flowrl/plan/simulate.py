@@ -1,14 +1,19 @@
-"""Predicting a step: a plan's timeline from declared (or measured) costs, and its lower bounds.
+"""Predicting steps: one simulator of a plan's steps back to back, and a makespan's lower bounds.
 
-Each pool runs its order one task at a time; driver tasks run as soon as their
-inputs are. The bounds of a makespan — the critical path through the task
-graph and the busiest pool's work — say how far a schedule is from the best
-any schedule could do; the runtime reports a measured step against them.
+Steps run as the runtime submits them (:func:`simulate_steps`): each pool runs its
+queue one task at a time, step after step in the plan's order; a task waits for its
+inputs and its gates, a step for the staleness window, and the processes share the
+cores. ``flowrl plan``'s timeline (:func:`simulate`) is one step of it alone, the
+search and every run's plan check (:func:`seconds_per_step`) read the interval
+between step ends once the pipeline is full. The bounds of a makespan — the critical
+path through the task graph and the busiest pool's work — say how far a schedule is
+from the best any schedule could do; the runtime reports a measured step against them.
 
 Example::
 
-    sim = simulate(plan)                 # or plan.simulate()
+    sim = simulate(plan)                 # or plan.simulate(): one step's timeline
     print(sim.makespan, sim.lower_bound)
+    step_s, alone = seconds_per_step(plan, seconds, cpus=2)
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from flowrl.plan.critical import critical_path
 from flowrl.plan.pools import DRIVER
 from flowrl.plan.staleness import window
 
 if TYPE_CHECKING:
-    from flowrl.plan.planner import Plan, Task
+    from flowrl.plan.planner import Plan, TaskKey
 
 
 @dataclass
@@ -44,29 +50,34 @@ class Simulation:
 
 
 def simulate(plan: Plan, costs: dict[str, float] | None = None) -> Simulation:
-    """List-schedule the plan: each pool runs its order sequentially; the driver in parallel.
+    """One step of :func:`simulate_steps` alone, as a timeline: each pool runs its order one task at a
+    time, every task as soon as its inputs are, a device each.
 
-    ``costs`` maps node → seconds for the whole batch (default: declared costs).
+    ``costs`` maps node → measured seconds for the whole batch, spread over its tasks
+    (:func:`spread`); nodes without one take their declared cost.
     """
-    def cost(t: Task) -> float:
-        if costs is None or t.node not in costs:
-            return t.cost
-        n = plan.micro_batches if t.mb is not None else 1
-        return costs[t.node] / n
-
-    start: dict[Any, float] = {}
-    end: dict[Any, float] = {}
-    pool_free: dict[str, float] = {}
-    for key in plan.order:  # a topological order consistent with every pool's order
-        t = plan.tasks[key]
-        ready = max((end[d] for d in t.deps), default=0.0)
-        s = ready if t.pool == DRIVER else max(ready, pool_free.get(t.pool, 0.0))
-        start[key], end[key] = s, s + cost(t)
-        if t.pool != DRIVER:
-            pool_free[t.pool] = end[key]
+    seconds = spread(plan, costs) if costs is not None else {}
+    # the driver's threads too run as if alone: timing/<node> measured them sharing its core already
+    sim = _Steps(plan, seconds, steps=1, cpus=None, overhead=0.0, threads_share=False)
+    sim.run()
+    start = {k: sim.start[(0, k)] for k in plan.order}
+    end = {k: sim.end[(0, k)] for k in plan.order}
     makespan = max(end.values(), default=0.0)
     return Simulation(start, end, makespan, *bounds_of(plan, {k: end[k] - start[k] for k in end}),
                       measured=costs is not None)
+
+
+def spread(plan: Plan, node_seconds: dict[str, float], missing: float | None = None) -> dict[TaskKey, float]:
+    """Each task's seconds from its node's measured seconds per step (``timing/<node>``), shared evenly by
+    the node's tasks (its micro-batches); a node without a measure: ``missing`` seconds, or (None)
+    left out, for its declared cost."""
+    out: dict[TaskKey, float] = {}
+    for key, t in plan.tasks.items():
+        if t.node in node_seconds:
+            out[key] = node_seconds[t.node] / len(plan.node_tasks(t.node))
+        elif missing is not None:
+            out[key] = missing
+    return out
 
 
 def simulate_steps(plan: Plan, seconds: dict[tuple[str, int | None], float], steps: int = 6,
@@ -86,16 +97,20 @@ def simulate_steps(plan: Plan, seconds: dict[tuple[str, int | None], float], ste
 
 
 class _Steps:
-    """The event-driven simulation behind :func:`simulate_steps` (processor sharing between events)."""
+    """The event-driven simulation behind :func:`simulate_steps` and :func:`simulate` (processor sharing
+    between events); it keeps when each task started and ended."""
 
     EPS = 1e-12
 
-    def __init__(self, plan: Plan, seconds: dict[Any, float], steps: int, cpus: float | None, overhead: float):
+    def __init__(self, plan: Plan, seconds: dict[Any, float], steps: int, cpus: float | None, overhead: float,
+                 threads_share: bool = True):
+        """``seconds``: each task's duration alone (missing: its declared cost); ``threads_share``: the
+        driver's tasks, threads of one process, share its core (else each runs as if alone)."""
         self.plan, self.steps, self.cpus, self.overhead = plan, steps, cpus, overhead
+        self.threads_share = threads_share
         self.work = {(s, k): max(0.0, seconds.get(k, plan.tasks[k].cost)) for s in range(steps) for k in plan.order}
         self.updates = {t.updates: key for key, t in plan.tasks.items() if t.updates is not None}
-        bound = max((g.staleness for t in plan.tasks.values() for g in t.gates), default=0)
-        self.window = window(bound)
+        self.window = window(plan.staleness_bound)
         self.queues: dict[str, list[Any]] = {}
         for s in range(steps):
             for key in plan.order:
@@ -104,6 +119,7 @@ class _Steps:
                     self.queues.setdefault(pool, []).append((s, key))
         self.head = {p: 0 for p in self.queues}
         self.driver = {s: [k for k in plan.order if plan.tasks[k].pool == DRIVER] for s in range(steps)}
+        self.start: dict[Any, float] = {}
         self.end: dict[Any, float] = {}
         self.left = {s: len(plan.order) for s in range(steps)}
         self.step_end: dict[int, float] = {}
@@ -128,8 +144,8 @@ class _Steps:
             1 if k[0] == "overhead" else len(self.plan.tasks[k[1]].ranks)
             for k in running if k[0] == "overhead" or self.plan.tasks[k[1]].pool != DRIVER)
         share = min(1.0, self.cpus / demand) if self.cpus and demand else 1.0
-        return {k: share / threads if k[0] != "overhead" and self.plan.tasks[k[1]].pool == DRIVER else share
-                for k in running}
+        thread = share / threads if self.threads_share and threads else share
+        return {k: thread if k[0] != "overhead" and self.plan.tasks[k[1]].pool == DRIVER else share for k in running}
 
     def run(self) -> list[float]:
         now, running = 0.0, {}  # running: task (or ("overhead", step)) → work left
@@ -139,14 +155,14 @@ class _Steps:
                 i = self.head[pool]
                 busy = any(k[0] != "overhead" and self.plan.tasks[k[1]].pool == pool for k in running)
                 if i < len(queue) and not busy and self.ready(*queue[i], now):
-                    running[queue[i]] = self.work[queue[i]]
+                    running[queue[i]], self.start[queue[i]] = self.work[queue[i]], now
                     self.head[pool] = i + 1
             for s, keys in self.driver.items():
                 if s >= self.window and self.released.get(s - self.window, float("inf")) > now + self.EPS:
                     break  # this step and the ones after it are not submitted yet
                 for key in [k for k in keys if self.ready(s, k, now)]:
                     keys.remove(key)
-                    running[(s, key)] = self.work[(s, key)]
+                    running[(s, key)], self.start[(s, key)] = self.work[(s, key)], now
             if not running:
                 raise RuntimeError("simulate_steps: no task can start (a dependency cycle in the plan)")
             rates = self.rates(running)
@@ -180,8 +196,7 @@ def seconds_per_step(plan: Plan, seconds: dict[tuple[str, int | None], float], s
     interval between step ends once the first step has filled the pipeline, over ``steps`` steps that
     have steps after them (the last steps of a run end sooner: nothing of the next step shares their time)."""
     steps = max(3, steps)
-    bound = max((g.staleness for t in plan.tasks.values() for g in t.gates), default=0)
-    ends = simulate_steps(plan, seconds, steps + window(bound), cpus, step_overhead)
+    ends = simulate_steps(plan, seconds, steps + window(plan.staleness_bound), cpus, step_overhead)
     return (ends[steps - 1] - ends[1]) / (steps - 2), ends[0]
 
 
@@ -190,18 +205,8 @@ def bounds_of(plan: Plan, durations: dict[tuple[str, int | None], float]) -> tup
     through the task graph, and the tightest pool bound — a pool runs its tasks one at a
     time, cannot start before the earliest of them can, and after its last one ends at
     least the shortest remaining path is left: ``min head + Σ work + min tail``."""
-    dur = {k: durations.get(k, 0.0) for k in plan.tasks}
-    head: dict[Any, float] = {}
-    for key in plan.order:
-        head[key] = max((head[d] + dur[d] for d in plan.tasks[key].deps), default=0.0)
-    succ: dict[Any, list[Any]] = {k: [] for k in plan.tasks}
-    for key, t in plan.tasks.items():
-        for d in t.deps:
-            succ[d].append(key)
-    tail: dict[Any, float] = {}
-    for key in reversed(plan.order):
-        tail[key] = max((dur[s] + tail[s] for s in succ[key]), default=0.0)
-    critical = max((head[k] + dur[k] + tail[k] for k in plan.tasks), default=0.0)
+    cp = critical_path(plan.tasks, durations, plan.order)
+    head, dur, tail = cp.head, cp.seconds, cp.tail
     per_pool: dict[str, list[Any]] = {}
     for key, t in plan.tasks.items():
         if t.pool != DRIVER:
@@ -211,7 +216,8 @@ def bounds_of(plan: Plan, durations: dict[tuple[str, int | None], float]) -> tup
         for pool, keys in per_pool.items()
     }
     tightest = max(pools.items(), key=lambda kv: kv[1], default=("", 0.0))
-    return critical, tightest
+    # the longest chain through any task: cp.length, summed from each task's two sides
+    return max((cp.through(k) for k in plan.tasks), default=0.0), tightest
 
 
 def pool_work(plan: Plan, durations: dict[tuple[str, int | None], float]) -> dict[str, float]:
@@ -224,4 +230,4 @@ def pool_work(plan: Plan, durations: dict[tuple[str, int | None], float]) -> dic
     return work
 
 
-__all__ = ["Simulation", "bounds_of", "pool_work", "seconds_per_step", "simulate", "simulate_steps"]
+__all__ = ["Simulation", "bounds_of", "pool_work", "seconds_per_step", "simulate", "simulate_steps", "spread"]

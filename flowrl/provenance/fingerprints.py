@@ -1,12 +1,13 @@
 """Fingerprints: what every node produced at every step, as digests and a few statistics.
 
-Worker side (:func:`task_prints`, where the output is made, so no data moves): per
-output field a digest of each row's exact bytes, the row positions when a rank
-holds rows of a balanced task, and statistics (rows, mean, min, max, NaN and inf
-counts; over real tokens where ``response_mask`` of the same shape applies); per
-role a digest of the weights the task ran on and, for an update, of the weights it
-left. Fields read from the data source are printed by the first node reading them
-(:func:`source_readers`).
+Worker side (:class:`FingerprintHook`, a hook on every task of a training step, so the
+output is printed where it is made and no data moves; :func:`task_prints`): per output
+field a digest of each row's exact bytes, the row positions when a rank holds rows of a
+balanced task, and statistics (rows, mean, min, max, NaN and inf counts; over real
+tokens where the operator declares a ``token_mask`` of the same shape, e.g. verl's
+``response_mask``); per role a digest of the weights the task ran on and, for an update,
+of the weights it left. Fields read from the data source are printed by the first node
+reading them (:func:`source_readers`).
 
 Driver side (:class:`FingerprintLog`): the reports of one step are put back in row
 order (micro-batches in order, each task's ranks by their positions), so a digest
@@ -29,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -40,6 +42,7 @@ from flowrl.data import DataProto
 from flowrl.data.dispatch import ROW_INDEX, task_rows
 from flowrl.data.metrics import measured
 from flowrl.graph import Graph, Role
+from flowrl.runtime.hooks import HookSpec, Run, TaskHook, TaskRun, task_hooks
 from flowrl.provenance.digest import WeightsDigester, combine_digests, mixed_rows, mixed_rows_of, weights_digest
 from flowrl.provenance.invariants import Invariants
 from flowrl.provenance.rundiff import FILE, FORMAT, ROW_HEX, SOURCE, format_of, row_digests
@@ -47,8 +50,6 @@ from flowrl.store.sinks import read_metrics
 
 if TYPE_CHECKING:
     from flowrl.plan.planner import Plan
-
-MASK = "response_mask"
 
 
 # ---------------------------------------------------------------------- worker side
@@ -178,22 +179,85 @@ class WeightDigests:
             held.pop(owner, None) if owner is not None else held.clear()
 
 
-def task_prints(out: DataProto, batch: DataProto, source: dict[str, Any], role: str | None = None,
-                used: str | None = None, after: str | None = None) -> dict[str, Any]:
+def task_prints(out: DataProto, source: dict[str, Any], role: str | None = None, used: str | None = None,
+                after: str | None = None, mask: torch.Tensor | None = None) -> dict[str, Any]:
     """Every field of one rank's output as :func:`field_print`, with ``source`` (:func:`source_prints`)
     and the digests of the weights of ``role`` it ran on (``used``) and, an update, left (``after``);
-    float fields are summarised over ``response_mask`` (the output's, else the input's) where it fits."""
-    mask = None
-    for part in (out, batch):
-        if part.batch is not None and MASK in part.batch.keys():
-            mask = part.batch[MASK]
-            break
+    float fields are summarised over the token ``mask`` where it fits (:func:`token_mask`)."""
     fields = fields_print(_columns(out), mask)
     at = task_rows(out)
     prints: dict[str, Any] = {"fields": fields, "source": source, "at": at.tolist() if at is not None else None}
     if used is not None:
         prints["weights"] = {"role": role, "used": used, **({"after": after} if after is not None else {})}
     return prints
+
+
+def token_mask(out: DataProto, batch: DataProto, name: str | None, renames: dict[str, str] | None = None,
+               ) -> torch.Tensor | None:
+    """The column ``name`` (an operator's declared ``token_mask``) of its output, else of its input
+    ``batch``; ``renames``: the node's output renames (the output holds graph names)."""
+    if name is None:
+        return None
+    for part, key in ((out, (renames or {}).get(name, name)), (batch, name)):
+        if part.batch is not None and key in part.batch.keys():
+            return part.batch[key]
+    return None
+
+
+@dataclass(frozen=True, eq=False)
+class Fingerprints(HookSpec):
+    """Fingerprints on the tasks of a training step; ``sources``: node → the data-source fields it
+    prints (:func:`source_readers`). One :class:`FingerprintHook` per worker."""
+
+    sources: dict[str, tuple[str, ...]]
+
+    def build(self, worker: Any) -> TaskHook:
+        return FingerprintHook(self.sources, worker)
+
+
+class FingerprintHook(TaskHook):
+    """A worker's fingerprints of its tasks' outputs and of the weights they ran on and left, and of
+    weights that arrive (what the invariants compare with what the update left)."""
+
+    def __init__(self, sources: dict[str, tuple[str, ...]], worker: Any) -> None:
+        self.sources, self.worker = sources, worker
+        self.digests = WeightDigests()
+
+    def around(self, task: TaskRun, run: Run) -> Run:
+        # the weights and the source fields as the operator receives them: taken before it runs
+        role = task.entry.role
+        task.notes[self] = (self._digest(role) if role else None,
+                            source_prints(task.batch, self.sources.get(task.call.node, ())))
+        return run
+
+    def after(self, task: TaskRun, out: DataProto) -> dict[str, Any]:
+        (used, source), entry = task.notes.pop(self), task.entry
+        # after the update moved the version: "after" is the new weights' digest
+        after = self._digest(entry.role) if entry.op.updates_role and used is not None else None
+        mask = token_mask(out, task.batch, entry.op.token_mask, entry.outputs)
+        return {"prints": task_prints(out, source, entry.role, used, after, mask)}
+
+    def loaded(self, role: str | None) -> dict[str, Any]:
+        if role is None:  # every role restored from a checkpoint
+            self.digests.forget()
+            return {}
+        self.digests.forget(self.worker.owner[role])
+        arrived = self._digest(role)
+        return {"prints": {"role": role, "digest": arrived}} if arrived is not None else {}
+
+    def _digest(self, role: str) -> str | None:
+        owner = self.worker.owner[role]
+        return self.digests.of(owner, self.worker.versions[owner], self.worker.roles[owner])
+
+
+@task_hooks
+def fingerprint_hooks(plan: "Plan") -> dict[str, HookSpec]:
+    """Every node of a training step's plan, when ``trainer.fingerprints`` is on (validation: none)."""
+    graph = plan.graph
+    if plan.kind != "train" or not graph.config.trainer.fingerprints:
+        return {}
+    spec = Fingerprints(source_readers(graph))
+    return {n: spec for n in graph.nodes}
 
 
 def _columns(data: DataProto) -> Iterable[tuple[str, Any]]:
@@ -332,5 +396,5 @@ class FingerprintLog:
             self.file.close()
 
 
-__all__ = ["FingerprintLog", "WeightDigests", "field_print", "fields_print", "graph_header", "role_weights", "source_prints",
+__all__ = ["FingerprintHook", "FingerprintLog", "Fingerprints", "WeightDigests", "fingerprint_hooks", "token_mask", "field_print", "fields_print", "graph_header", "role_weights", "source_prints",
            "source_readers", "step_record", "task_prints"]

@@ -21,7 +21,7 @@ one: :mod:`flowrl.store.dumps`).
 Example::
 
     rec = Recorder(Path("runs/grpo"), graph, say=print)
-    rec.write(step, collect_records(plan, rec.fields, src, outputs, backend.get_many))
+    rec.write(step, collect_records(rec.fields, finished_step.read))
     read_record(Path("runs/grpo"), 3).data       # {"data": DataProto, "generate": DataProto, ...}
 """
 
@@ -38,10 +38,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowrl.data import DataProto, DataProtoFuture
+from flowrl.data import DataProto
 from flowrl.graph import SOURCE, Graph
 from flowrl.errors import RuntimeFailure
-from flowrl.runtime.reads import fetched
 
 RECORDS = "records"
 TENSORS, INDEX = "tensors.safetensors", "record.json"
@@ -72,15 +71,10 @@ def record_fields(graph: Graph, nodes: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def collect_records(plan: Any, fields: dict[str, list[str]], src: Any, outputs: dict[Any, DataProtoFuture],
-                    get_many: Callable[[list[Any]], list[Any]]) -> dict[str, DataProto]:
-    """Each node's ``fields`` of a finished step, at the node's own row space, read as a consumer reads them."""
-    out = {}
-    for node, names in fields.items():
-        if names:
-            fut = fetched(plan, names, src, outputs)
-            out[node] = fut.collect(get_many(fut.handles()))
-    return out
+def collect_records(fields: dict[str, list[str]], read: Callable[[list[str]], DataProto]) -> dict[str, DataProto]:
+    """Each node's ``fields`` of a finished step, at the node's own row space: ``read(names)`` reads them
+    as a consumer does (:attr:`~flowrl.runtime.steps.FinishedStep.read`)."""
+    return {node: read(names) for node, names in fields.items() if names}
 
 
 def _jsonable(values: Any) -> list[Any] | None:

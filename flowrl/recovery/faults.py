@@ -1,4 +1,4 @@
-"""A node's failure policy (``on_error``) and the fault-injection switch, inside the worker.
+"""A node's failure policy (``on_error``) and the fault switch, as hooks on the worker's tasks.
 
 ``on_error: {retries: N, backoff_s: S, then: fail | drop_group}`` on a node:
 
@@ -6,21 +6,23 @@
   before the first retry, doubling after each (``faults/retries``);
 * then ``fail`` (the default) fails the step, naming the node and the attempts;
 * or ``drop_group``: the operator is run on one group at a time (the rows of one
-  ``uid``; without a ``uid`` column, each run of rows of one prompt) to find the
-  groups it fails on; those rows are marked in the :data:`~flowrl.data.dispatch.DROPPED`
-  column (``faults/dropped_groups``, ``faults/dropped_rows``) and every later task
-  of the step runs its operator on the unmarked rows only, so the advantage and
-  loss statistics are those of a step that never held the failed groups. A marked
-  row's columns hold no value anyone reads: an error never becomes a zero reward.
-  When every group fails, the step fails.
+  value of the node's declared ``group_key``, verl's ``uid``; without one, each run
+  of rows of one prompt) to find the groups it fails on; those rows are marked in the
+  :data:`~flowrl.data.dispatch.DROPPED` column (``faults/dropped_groups``,
+  ``faults/dropped_rows``) and every later task of the step runs its operator on the
+  unmarked rows only, so the advantage and loss statistics are those of a step that
+  never held the failed groups. A marked row's columns hold no value anyone reads: an
+  error never becomes a zero reward. When every group fails, the step fails.
 
-The fault switch: ``FLOWRL_FAULT="node=reward,step=3,rank=0,kind=raise"`` (``kind``:
-``raise``, ``hang`` or ``kill``; ``step`` counts from 1 like the metrics; ``rank``
-and ``mb`` narrow it; ``times=N`` fires it on the first N attempts only) makes that
-node's task fail that way, for tests and rehearsals. The driver reads it once
-when the run starts (:func:`fault_from_env`) and hands it to the workers; a
-``kill`` fires in the worker's first process only, so a replaced worker runs the
-task again.
+The fault switch: ``trainer.fault: "node=reward,step=3,rank=0,kind=raise"`` in the graph, or
+``flowrl run --fault SPEC`` (``kind``: ``raise``, ``hang`` or ``kill``; ``step`` counts from 1
+like the metrics; ``rank`` and ``mb`` narrow it; ``times=N`` fires it on the first N attempts
+only) makes that node's task fail that way, for tests and rehearsals. A ``kill`` fires in the
+worker's first process only, so a replaced worker runs the task again.
+
+Both are :mod:`hooks <flowrl.runtime.hooks>` this module registers: :class:`FailurePolicy` on
+every node (it also keeps rows an earlier node dropped out of the operator), outside
+:class:`FaultSwitch` on the node the switch names, so a retry fires the switch again.
 
 Example::
 
@@ -34,99 +36,47 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from flowrl.errors import ConfigError, RunError
+from flowrl.errors import RefillNeeded, RunError
 from flowrl.data import DataProto
 from flowrl.data.dispatch import DROPPED, TASK_ROWS
 from flowrl.data.metrics import total
-from flowrl.graph.config import OnErrorConfig
+from flowrl.graph.config import Fault, FaultSpecError, OnErrorConfig, parse_fault
+from flowrl.plan.rowspace import input_space
+from flowrl.runtime.hooks import HookSpec, Run, TaskHook, TaskRun, task_hooks
 
-#: the environment variable of the fault switch
-FAULT_ENV = "FLOWRL_FAULT"
-KINDS = ("raise", "hang", "kill")
-
-Run = Callable[[DataProto], tuple[DataProto, dict[str, float]]]
+if TYPE_CHECKING:
+    from flowrl.plan.planner import Plan
 
 
 class InjectedFault(RunError):
     """Raised by the fault switch (``kind=raise``)."""
 
 
-class RefillNeeded(RunError):
-    """A node with ``on_error: refill`` failed on some groups: the driver replaces their prompts
-    (:mod:`flowrl.recovery.refill`). ``groups``: their places among the task's groups; ``uids``:
-    their ``uid`` when the node read it."""
-
-    def __init__(self, node: str, step: int, mb: int | None, groups: list[int], uids: list | None, cause: str):
-        self.node, self.step, self.mb, self.groups, self.uids, self.cause = node, step, mb, groups, uids, cause
-        super().__init__(f"node {node!r} at step {step + 1} failed on {len(groups)} group(s): {cause}")
-
-    def __reduce__(self):
-        return (RefillNeeded, (self.node, self.step, self.mb, self.groups, self.uids, self.cause))
-
-
-class FaultSpecError(ConfigError, ValueError):
-    """``FLOWRL_FAULT`` does not parse."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Where the fault switch fires: ``node`` at ``step`` (1-based), optionally one ``rank`` / ``mb``."""
-
-    node: str
-    step: int
-    kind: str = "raise"
-    rank: int | None = None
-    mb: int | None = None
-    times: int | None = None  # None: every attempt
-
-    def matches(self, node: str, step: int, rank: int, mb: int | None) -> bool:
-        return (node == self.node and step + 1 == self.step and self.rank in (None, rank)
-                and self.mb in (None, mb))
-
-
-def parse_fault(text: str) -> Fault:
-    """``node=reward,step=3,rank=0,kind=raise`` as a :class:`Fault` (a :class:`FaultSpecError` naming the bad part)."""
-    fields: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        key, sep, value = part.partition("=")
-        if not sep or key.strip() not in ("node", "step", "rank", "mb", "kind", "times"):
-            raise FaultSpecError(f"{FAULT_ENV}={text!r}: {part!r} is not one of node=, step=, rank=, mb=, kind=, "
-                                 f"times= (e.g. {FAULT_ENV}='node=reward,step=3,kind=raise')")
-        fields[key.strip()] = value.strip()
-    if "node" not in fields or "step" not in fields:
-        raise FaultSpecError(f"{FAULT_ENV}={text!r}: name the node and the step (node=reward,step=3)")
-    kind = fields.get("kind", "raise")
-    if kind not in KINDS:
-        raise FaultSpecError(f"{FAULT_ENV}={text!r}: kind={kind!r} is not one of {', '.join(KINDS)}")
-    try:
-        ints = {k: int(fields[k]) for k in ("step", "rank", "mb", "times") if k in fields}
-    except ValueError as e:
-        raise FaultSpecError(f"{FAULT_ENV}={text!r}: step, rank, mb and times are whole numbers ({e})") from None
-    if ints["step"] < 1:
-        raise FaultSpecError(f"{FAULT_ENV}={text!r}: steps count from 1")
-    return Fault(fields["node"], ints["step"], kind, ints.get("rank"), ints.get("mb"), ints.get("times"))
-
-
-def fault_from_env() -> Fault | None:
-    """The fault switch's setting, read in the driver (None when unset)."""
-    text = os.environ.get(FAULT_ENV, "").strip()
-    return parse_fault(text) if text else None
-
-
-class Injector:
-    """Fires a :class:`Fault` in a worker; counts attempts so ``times`` holds across retries."""
+class Injector(TaskHook):
+    """Fires a :class:`~flowrl.graph.config.Fault` in a worker's tasks; counts attempts so ``times``
+    holds across retries. ``first_process``: False in a worker that replaced a dead one."""
 
     def __init__(self, fault: Fault | None, first_process: bool = True) -> None:
         self.fault, self.first_process = fault, first_process
         self._fired = 0
         self._lock = threading.Lock()
 
-    def __call__(self, node: str, step: int, rank: int, mb: int | None) -> None:
+    def around(self, task: TaskRun, run: Run) -> Run:
+        call = task.call
+
+        def injected(rows: DataProto) -> tuple[DataProto, dict[str, float]]:
+            self.fire(call.node, call.step, call.rank, call.mb)
+            return run(rows)
+
+        return injected
+
+    def fire(self, node: str, step: int, rank: int, mb: int | None) -> None:
+        """Fail the way the fault says when it names this task (and has attempts left)."""
         f = self.fault
         if f is None or not f.matches(node, step, rank, mb):
             return
@@ -140,7 +90,50 @@ class Injector:
             return
         if f.kind == "hang":
             _sleep_forever()
-        raise InjectedFault(f"injected by {FAULT_ENV} (node={f.node}, step={f.step}, kind=raise)")
+        raise InjectedFault(f"injected by trainer.fault (node={f.node}, step={f.step}, kind=raise)")
+
+
+@dataclass(frozen=True, eq=False)
+class FaultSwitch(HookSpec):
+    """The fault switch on the node it names: an :class:`Injector` per worker."""
+
+    fault: Fault
+
+    def build(self, worker: Any) -> TaskHook:
+        return Injector(self.fault, worker.first_process)
+
+
+@dataclass(frozen=True, eq=False)
+class FailurePolicy(HookSpec, TaskHook):
+    """A node's ``on_error`` around its operator (:func:`run_guarded`); ``group``: input rows per
+    prompt; the group key is the node's declared one, from the plan (``Call.keys``)."""
+
+    policy: OnErrorConfig | None
+    group: int = 1
+
+    def build(self, worker: Any) -> TaskHook:
+        return self  # keeps no state
+
+    def around(self, task: TaskRun, run: Run) -> Run:
+        call = task.call
+        return lambda rows: run_guarded(run, rows, self.policy, self.group, call.factor,
+                                        (call.node, call.step, call.mb), call.keys.groups)
+
+
+@task_hooks
+def failure_policies(plan: "Plan") -> dict[str, HookSpec]:
+    """Every node's :class:`FailurePolicy` (a node without ``on_error`` still leaves dropped rows out)."""
+    graph = plan.graph
+    return {n: FailurePolicy(node.config.on_error, input_space(graph, plan.spaces, n).factor)
+            for n, node in graph.nodes.items()}
+
+
+@task_hooks  # registered after failure_policies: the policy wraps the switch
+def fault_switch(plan: "Plan") -> dict[str, HookSpec]:
+    """The node ``trainer.fault`` names, with its :class:`FaultSwitch` (for this plan's tasks)."""
+    text = plan.graph.config.trainer.fault
+    fault = parse_fault(text) if text is not None else None
+    return {fault.node: FaultSwitch(fault)} if fault is not None and fault.node in plan.graph.nodes else {}
 
 
 def _sleep_forever() -> None:
@@ -149,11 +142,13 @@ def _sleep_forever() -> None:
 
 
 def run_guarded(run: Run, batch: DataProto, policy: OnErrorConfig | None, group: int = 1,
-                factor: int = 1, where: tuple[str, int, int | None] = ("", 0, None)) -> tuple[DataProto, dict[str, float]]:
+                factor: int = 1, where: tuple[str, int, int | None] = ("", 0, None),
+                key: str | None = None) -> tuple[DataProto, dict[str, float]]:
     """``run(batch)`` under the node's ``policy``, on the rows no earlier node dropped.
 
-    ``group``: rows per prompt in ``batch`` (used when it has no ``uid`` column);
-    ``factor``: output rows per input row; ``where``: (node, step, micro-batch), for a refill.
+    ``group``: rows per prompt in ``batch`` (used when it has no ``key`` column: the node's
+    declared ``group_key``); ``factor``: output rows per input row; ``where``: (node, step,
+    micro-batch), for a refill.
     The output has the input's rows (times ``factor``), the dropped ones marked, whenever the
     input or this node dropped any.
     """
@@ -167,13 +162,13 @@ def run_guarded(run: Run, batch: DataProto, policy: OnErrorConfig | None, group:
     except Exception as e:
         if policy is None or policy.then == "fail":
             raise
-        failed = _failed_groups(run, part, group)
+        failed = _failed_groups(run, part, group, key)
         if policy.then == "refill" and failed:
-            uid = batch.non_tensor_batch.get("uid")
+            keys = batch.non_tensor_batch.get(key) if key is not None else None
             rows = [int(kept[r[0]]) for r in failed]
             raise RefillNeeded(*where, [r // max(1, group) for r in rows],
-                               None if uid is None else [uid[r] for r in rows], f"{type(e).__name__}: {e}") from None
-        if len(failed) == len(_groups(part, group)):
+                               None if keys is None else [keys[r] for r in rows], f"{type(e).__name__}: {e}") from None
+        if len(failed) == len(_groups(part, group, key)):
             raise  # nothing left to go on with: the step fails, with the operator's own error
         now = np.zeros(len(part), dtype=bool)
         for rows in failed:
@@ -208,21 +203,21 @@ def _with_retries(run: Run, batch: DataProto, policy: OnErrorConfig | None) -> t
         return out, ({**got, "faults/retries": total(attempt)} if attempt else got)
 
 
-def _groups(batch: DataProto, group: int) -> list[np.ndarray]:
-    """The row indices of each group: rows of one ``uid``, else runs of ``group`` rows."""
-    uid = batch.non_tensor_batch.get("uid")
-    if uid is not None:
+def _groups(batch: DataProto, group: int, key: str | None) -> list[np.ndarray]:
+    """The row indices of each group: rows of one value of the ``key`` column, else runs of ``group`` rows."""
+    keys = batch.non_tensor_batch.get(key) if key is not None else None
+    if keys is not None:
         order: dict[Any, list[int]] = {}
-        for i, u in enumerate(uid):
+        for i, u in enumerate(keys):
             order.setdefault(u, []).append(i)
         return [np.asarray(rows) for rows in order.values()]
     step = max(1, group)
     return [np.arange(s, min(s + step, len(batch))) for s in range(0, len(batch), step)]
 
 
-def _failed_groups(run: Run, batch: DataProto, group: int) -> list[np.ndarray]:
+def _failed_groups(run: Run, batch: DataProto, group: int, key: str | None) -> list[np.ndarray]:
     failed = []
-    for rows in _groups(batch, group):
+    for rows in _groups(batch, group, key):
         try:
             run(batch[rows.tolist()])
         except Exception:  # noqa: BLE001 - the group is left out of the step, counted
@@ -263,5 +258,5 @@ def _scatter(out: DataProto, kept: np.ndarray, rows: int, factor: int) -> DataPr
     return DataProto.from_dict(tensors=tensors or None, non_tensors=non_tensors, meta_info=dict(out.meta_info))
 
 
-__all__ = ["FAULT_ENV", "Fault", "FaultSpecError", "InjectedFault", "Injector", "RefillNeeded", "fault_from_env",
-           "parse_fault", "run_guarded"]
+__all__ = ["Fault", "FailurePolicy", "FaultSpecError", "FaultSwitch", "InjectedFault", "Injector", "RefillNeeded",
+           "failure_policies", "fault_switch", "parse_fault", "run_guarded"]

@@ -103,14 +103,4 @@ def _where(pool: str, ranks: list[int], label: Callable[[str, int], str],
         for r, text in where.items() if text)
 
 
-def get_within(get: Callable[..., object], handle: object, limit: float | None, what: str) -> object:
-    """``get(handle)`` within ``limit`` seconds (None: no limit), else a :class:`NodeTimeoutError` naming ``what``."""
-    try:
-        return get(handle, timeout=limit)
-    except Exception as e:
-        if "Timeout" not in type(e).__name__:  # Ray's GetTimeoutError, concurrent.futures' TimeoutError
-            raise
-        raise NodeTimeoutError(f"{what} did not come within schedule.timeout_s={limit:g}") from None
-
-
-__all__ = ["TaskTimeout", "check_timeouts", "get_within"]
+__all__ = ["TaskTimeout", "check_timeouts"]

@@ -42,8 +42,9 @@ from flowrl.store.checkpoint import CheckpointStore, UnreadableCheckpoint, diffe
 from flowrl.store.dumps import graph_fields
 from flowrl.errors import RuntimeFailure
 from flowrl.plan.planner import Plan, make_plan
-from flowrl.runtime.reads import union_columns
+from flowrl.plan.reads import union_columns
 from flowrl.provenance.record import Record, RecordError, read_record
+from flowrl.recovery.recovery import Recovery
 from flowrl.plan.rowspace import input_space
 from flowrl.runtime.scheduler import Runtime
 from flowrl.store.sinks import read_metrics
@@ -94,7 +95,7 @@ def replay_graph(graph: Graph, keep: set[str], fields: list[Field], rows: int) -
     dump["nodes"] = {n: c for n, c in dump["nodes"].items() if n in keep}
     dump["data"] = {**dump["data"], "batch_size": rows}
     dump["trainer"] = {**dump["trainer"], "val_every": 0, "checkpoint_every": 0, "fingerprints": False,
-                       "record": None}
+                       "record": None, "fault": None}
     return Recorded.from_config(GraphConfig.model_validate(dump), source_file=graph.source_file)
 
 
@@ -162,7 +163,7 @@ class Replay:
         return row
 
     def _checkpoint(self) -> tuple[dict[str, Any], Path]:
-        store = CheckpointStore(self.run_dir / "checkpoints")
+        store = CheckpointStore.of_run(self.run_dir)
         found = [p for p in store.complete() if steps_done(p) <= self.step - 1]
         if not found:
             have = ", ".join(str(steps_done(p)) for p in reversed(store.complete())) or "none"
@@ -187,7 +188,7 @@ class Replay:
         if report.errors:
             raise ReplayError(f"the replayed part of the graph does not check: {report.errors[0]}")
         rt = Runtime(sub, backend=make_backend(self.backend, self.address),
-                     stage=lambda t: stage / f"step_{t + 1:08d}")
+                     stage=CheckpointStore(stage).path, recovery=Recovery())  # the watchdog on
         _same_cuts(run_plan, rt.plan)
         return rt, batches
 

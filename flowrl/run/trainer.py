@@ -21,6 +21,13 @@ With ``trainer.record``, the chosen nodes' outputs of the recorded steps go to
 ``<out>/records`` (:mod:`flowrl.provenance.record`; a resume removes those of the
 steps it runs again), what ``flowrl replay`` rebuilds a step from.
 
+Everything written per step — the metrics row and its sinks, fingerprints, dumps,
+records, timing — is a driver-step hook (:mod:`flowrl.run.hooks`), so the loop
+below only runs steps and saves checkpoints. Faults go through one
+:class:`~flowrl.recovery.recovery.Recovery`; when a worker of a sharded or trained
+pool dies, it rolls the run back through :meth:`Trainer.resume`, the path
+``--resume`` takes.
+
 The run directory has one owner (:mod:`flowrl.store.rundir`): a second run
 on it is refused, and a fresh run refuses another run's state unless
 ``resume`` or ``overwrite``.
@@ -42,22 +49,19 @@ from typing import Any, Callable
 
 import yaml
 
-from flowrl.graph import REGISTRY, Graph
-from flowrl.store.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
-                                       fingerprint, worker_counts)
-from flowrl.runtime.backends import make_backend, start_early, stop_early
-from flowrl.store.dumps import graph_fields, write_rollouts
-from flowrl.plan.plancheck import PlanCheck
-from flowrl.recovery import rollback
-from flowrl.recovery.restarts import RollbackNeeded
-from flowrl.provenance.fingerprints import FingerprintLog
 from flowrl.errors import RuntimeFailure
-from flowrl.provenance.record import Recorder
-from flowrl.store.rundir import RunDirectory
+from flowrl.graph import Graph
+from flowrl.graph.registry import make_source
+from flowrl.plan.plancheck import PlanCheck
+from flowrl.recovery.recovery import Recovery
+from flowrl.run.hooks import Dumps, Fingerprints, MetricsSinks, Records, StartupLines, Timing
+from flowrl.runtime.backends import make_backend, start_early, stop_early
+from flowrl.runtime.scheduler import Runtime
+from flowrl.runtime.steps import StepHook
+from flowrl.store.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
+                                     fingerprint, worker_counts)
+from flowrl.store.rundir import RunDirectory, run_dir_of
 from flowrl.store.runlog import RUN_LOG, record_failure
-from flowrl.runtime.scheduler import Runtime, StepResult
-from flowrl.store.sinks import open_sinks, read_metrics
-from flowrl.runtime.startup import describe
 
 #: task records kept in the driver when no trace is written (a few steps' worth: memory stays flat)
 TIMELINE_RECORDS = 1_000
@@ -87,50 +91,59 @@ class Trainer:
         self.graph = graph
         cfg = graph.config
         self.steps = steps if steps is not None else cfg.trainer.steps
-        self.out = Path(out or cfg.trainer.out or f"runs/{cfg.name}")
+        self.out = run_dir_of(cfg, out)
         self.trace = Path(trace) if trace else None
         self.on_step = on_step
-        # the fields the graph's operators declare worth dumping (dumped=...)
-        producers = graph.producers()
-        fetch = [f for f in graph.dumped_fields() if f in producers] if cfg.trainer.dump_rollouts else []
-        self.store = CheckpointStore(self.out / "checkpoints", keep=cfg.trainer.keep_checkpoints)
-        # the plan carries the validation run when trainer.val_every asks (the check refused a graph
-        # that scores nothing)
+        self.store = CheckpointStore.of_run(self.out, keep=cfg.trainer.keep_checkpoints)
         #: what worker processes print, and the traceback of a failure (:mod:`flowrl.store.runlog`)
         self.log_path = self.out / RUN_LOG
-        self.recorder: Recorder | None = None  # made when the run starts (a resume cuts the records back)
+        #: one recovery path; a rollback resumes through :meth:`resume`
+        self.recovery = Recovery(run=self)
+        # the plan carries the validation run when trainer.val_every asks
         self.runtime = Runtime(graph, backend=make_backend(backend, address, self.log_path), address=address,
-                               on_progress=on_progress, fetch=fetch, stage=self.store.stage, record=self._recorded)
+                               on_progress=on_progress, stage=self.store.stage, recovery=self.recovery)
         start_early(self.runtime.backend, self.runtime.plan.pools)  # their imports overlap the rest of this
-        self.show_startup = show_startup
-        kind = cfg.data.source.split(":", 1)[0] if ":" in cfg.data.source else "file"
-        spec = REGISTRY.source(kind)
-        data_cfg = spec.config.model_validate(cfg.data.dump())
         try:
-            self.source = spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles)
-            self.val_source = (spec.factory(data_cfg, seed=cfg.trainer.seed, roles=cfg.roles, split="val")
-                               if self.runtime.plan.validation is not None else None)
+            self.source = make_source(cfg)
+            self.val_source = make_source(cfg, split="val") if self.runtime.plan.validation is not None else None
         except BaseException:
             stop_early(self.runtime.backend)  # no run will use the workers asked for above
             raise
-        self.history: list[dict[str, float]] = []
-        self.history_limit = history_limit
         if self.trace is None:
             self.runtime.timeline.keep_last(TIMELINE_RECORDS)
-        self.resume, self.say, self.overwrite = resume, say, overwrite
+        self.resuming, self.say, self.overwrite = resume, say, overwrite
         #: the signal that stopped the run gracefully (``signal.SIGINT`` or ``signal.SIGTERM``), if any
         self.stop_signal: int | None = None
         self.stopped = False
-        self._last_end: float | None = None
+        #: the metrics rows of this run (the last ``history_limit``)
+        self.history: list[dict[str, float]] = []
+        self.sinks = MetricsSinks(self.out, cfg, say, self.history, history_limit)
+        #: the driver-step hooks, attached to the runtime while :meth:`run` runs
+        self.hooks = self._hooks(show_startup)
+
+    def _hooks(self, show_startup: bool) -> list[StepHook]:
+        """The driver-step hooks of the run, in order (:mod:`flowrl.run.hooks`)."""
+        cfg, plan = self.graph.config, self.runtime.plan
         # rows a step generates: prompts × the largest expansion (n samples per prompt)
-        self.samples_per_step = cfg.data.batch_size * max(sp.factor for sp in self.runtime.plan.spaces.values())
-        self.plan_check = PlanCheck(self.runtime.plan, self.out, say)  # plan/predicted_step_s, plan/error
+        samples = cfg.data.batch_size * max(sp.factor for sp in plan.spaces.values())
+        tokens = self.graph.token_metrics()  # the operator that generates says which metric counts tokens
+        timing = Timing(samples, PlanCheck(plan, self.out, self.say), tokens.mean if tokens is not None else None)
+        hooks: list[StepHook] = [timing, self.sinks]
+        if cfg.trainer.fingerprints:
+            hooks.append(Fingerprints(self.out, self.graph, plan, self.say))
+        if cfg.trainer.dump_rollouts:
+            hooks.append(Dumps(self.out, self.graph, getattr(self.source, "decode", None)))
+        if cfg.trainer.record is not None:
+            hooks.append(Records(self.out, self.graph, self.say))
+        if show_startup:
+            hooks.append(StartupLines(self.runtime, self.say))
+        return hooks
 
     def run(self) -> list[dict[str, float]]:
         """Run the steps (resuming first when asked) and return the metrics rows of this run."""
         try:
             with RunDirectory(self.out, say=self.say) as rundir:
-                rundir.claim(resume=self.resume, overwrite=self.overwrite)
+                rundir.claim(resume=self.resuming, overwrite=self.overwrite)
                 try:
                     return self._run()
                 except RuntimeFailure as e:
@@ -147,103 +160,70 @@ class Trainer:
             stop_early(self.runtime.backend)  # workers asked for early that no step came to use
 
     def _run(self) -> list[dict[str, float]]:
-        cfg = self.graph.config
-        start_step = self._resume() if self.resume else 0
-        (self.out / "config.yaml").write_text(yaml.safe_dump(cfg.dump(), sort_keys=False))
-        every, val_every = cfg.trainer.checkpoint_every, cfg.trainer.val_every
-        last = self.steps - 1
+        self.runtime.hooks[:] = self.hooks
         self.runtime.start()  # ray.init installs a SIGTERM handler of its own: ours go in after it
-        start = time.time()
+        start = self.resume() if self.resuming else self._rewind(0)
+        (self.out / "config.yaml").write_text(yaml.safe_dump(self.graph.config.dump(), sort_keys=False))
         restore_signals = self._install_signals()
-        done = start_step - 1
-        saved = start_step - 1
-
-        def roll_back(e: RollbackNeeded) -> int:  # a dead worker of a sharded pool (flowrl.recovery.rollback)
-            nonlocal prints
-            if prints is not None:
-                prints.close()
-            step = rollback.roll_back(self, e, sinks)
-            prints = self._fingerprints(step)
-            if self.recorder is not None:  # the steps run again are recorded again
-                self.recorder = Recorder(self.out, self.graph, self.say, keep_through=step)
-            return step
-
+        done = saved = start - 1
         try:
-            sinks = open_sinks(self.out, cfg.trainer.wandb_project, run_name=cfg.name, config=cfg.dump())
-            prints = self._fingerprints(start_step)
-            if cfg.trainer.record is not None:
-                self.recorder = Recorder(self.out, self.graph, self.say, keep_through=start_step)
-            try:
-                results = rollback.rolling(lambda s: self.runtime.run(
-                    self.source, steps=self.steps - s, start_step=s,
-                    # a run always ends with a checkpoint, so it always leaves a model
-                    checkpoint=lambda t: (bool(every) and (t + 1) % every == 0) or t == last,
-                    validate=lambda t: bool(val_every) and ((t + 1) % val_every == 0 or t == last),
-                    val_batches=self.val_source), start_step, roll_back)
-                for result in results:
-                    row = self._row(result, start)
-                    sinks.write(row["step"], row)
-                    if prints is not None:
-                        prints.step(result)
-                    if result.data is not None:
-                        self._dump(result)
-                    if result.records is not None and self.recorder is not None:
-                        self.recorder.write(result.step, result.records)
-                    self._remember(row)
-                    done = result.step
-                    if result.checkpoint is not None:
-                        sinks.sync()  # metrics on disk before the checkpoint that continues after them
-                        if prints is not None:
-                            prints.sync()
-                        self._save(result.step, result.checkpoint)
-                        saved = result.step
-                    if self.on_step is not None:
-                        self.on_step(result.step, row)
-                    if self.show_startup and result.step == start_step:
-                        for line in describe(self.runtime.backend.startup_spans(), self.runtime.timeline.records):
-                            self.say(line)
-                if self.stopped and done > saved:
-                    sinks.sync()
-                    self._save(done, self.runtime.snapshot_now(done, self.source))
-            except CheckpointError as e:  # e.g. a full disk while the ranks wrote their shards
-                raise CheckpointError(str(getattr(e, "cause", None) or e)) from None  # a worker's: its message
-            finally:
-                sinks.close()
-                if prints is not None:
-                    prints.close()
-            if self.stopped:
-                self.say(f"stopped after step {done + 1}; checkpoint saved, continue with --resume")
+            for result in self.runtime.run(self.source, steps=self.steps - start, start_step=start,
+                                           checkpoint=self._checkpointed, validate=self._validated,
+                                           val_batches=self.val_source):
+                done = result.step
+                if result.checkpoint is not None:
+                    self._save(result.step, result.checkpoint)
+                    saved = result.step
+                if self.on_step is not None:
+                    self.on_step(result.step, self.sinks.last)
+            if self.stopped and done > saved:
+                self._save(done, self.runtime.snapshot_now(done, self.source))
+        except CheckpointError as e:  # e.g. a full disk while the ranks wrote their shards
+            raise CheckpointError(str(getattr(e, "cause", None) or e)) from None  # a worker's: its message
         finally:
+            for hook in self.hooks:
+                hook.close()
+            self.runtime.hooks.clear()
             restore_signals()
+        if self.stopped:
+            self.say(f"stopped after step {done + 1}; checkpoint saved, continue with --resume")
         return self.history
 
-    def _fingerprints(self, start_step: int) -> FingerprintLog | None:
-        """``fingerprints.jsonl`` and the invariants (``trainer.fingerprints``, ``trainer.invariants``)."""
-        cfg = self.graph.config.trainer
-        if not cfg.fingerprints:
-            return None
-        return FingerprintLog(self.out, self.graph, self.runtime.plan, self.say, keep_through=start_step,
-                              fatal=cfg.invariants == "fatal", check=cfg.invariants != "off")
+    def _checkpointed(self, step: int) -> bool:
+        """Whether 0-based ``step`` ends with a checkpoint: every ``trainer.checkpoint_every`` steps, and the
+        last (a run always leaves a model)."""
+        every = self.graph.config.trainer.checkpoint_every
+        return (bool(every) and (step + 1) % every == 0) or step == self.steps - 1
 
-    def _recorded(self, step: int) -> dict[str, list[str]] | None:
-        """The fields ``trainer.record`` saves of 0-based step ``step`` (None: not this step)."""
-        return self.recorder.fields if self.recorder is not None and self.recorder.wants(step) else None
+    def _validated(self, step: int) -> bool:
+        """Whether validation runs after 0-based ``step``: every ``trainer.val_every`` steps, and after the last."""
+        every = self.graph.config.trainer.val_every
+        return bool(every) and ((step + 1) % every == 0 or step == self.steps - 1)
 
-    def _remember(self, row: dict[str, Any]) -> None:
-        """Keep the run's rows for the caller, up to ``history_limit`` (the driver's memory stays flat)."""
-        self.history.append(row)
-        if self.history_limit is not None and len(self.history) > self.history_limit:
-            del self.history[: len(self.history) - self.history_limit]
+    def _rewind(self, step: int) -> int:
+        """Open every hook at 0-based ``step``, cutting back what they wrote for later steps; ``step``."""
+        for hook in self.hooks:
+            hook.rewind(step)
+        return step
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, step: int, payload: dict[str, Any]) -> None:
+        for hook in self.hooks:  # what they wrote is on disk before the checkpoint that continues it
+            hook.sync()
         dump = self.graph.config.dump()
         meta = {"graph": fingerprint(dump), "workers": worker_counts(dump), "name": self.graph.name,
                 "saved_at": time.time()}
         path = self.store.save(step, payload, meta)
         self.say(f"checkpoint: {path}")
 
-    def _resume(self) -> int:
+    def has_checkpoint(self) -> bool:
+        """Whether a complete checkpoint has been saved in the run directory."""
+        return self.store.complete()
+
+    def resume(self) -> int:
+        """Load the newest loadable checkpoint into the run — every worker's state, the data position —
+        and cut every sink back to it (``metrics.jsonl``, ``fingerprints.jsonl``, records); the 0-based
+        step to go on from. ``--resume`` and a rollback (:mod:`flowrl.recovery.rollback`) take this path."""
         dump = self.graph.config.dump()
         mine, counts = fingerprint(dump), worker_counts(dump)
 
@@ -276,26 +256,9 @@ class Trainer:
             self.say(f"workers changed since the checkpoint ({', '.join(changed)}): weights and optimizer "
                      f"state carry over (resharded); the metrics follow an uninterrupted run's up to "
                      f"floating-point differences in the sharded update")
-        self._truncate_metrics(step + 1)
+        self._rewind(step + 1)
         self.say(f"resuming from {path} at step {step + 2}")
         return step + 1
-
-    def _dump(self, result: StepResult) -> None:
-        """Write the step's samples as JSONL: the columns the graph's operators declare ``dumped``."""
-        path = self.out / "rollouts" / f"step_{result.step + 1:06d}.jsonl"
-        fields = graph_fields(self.graph)
-        dumped = {n: fields[n] for n in self.runtime.fetch}
-        write_rollouts(path, result.data, dumped, getattr(self.source, "decode", None))
-
-    def _truncate_metrics(self, keep_through: int) -> None:
-        """Drop metric rows written after the checkpoint (those steps run again, identically), and nothing else."""
-        path = self.out / "metrics.jsonl"
-        if not path.is_file():
-            return
-        kept = [line for line, row in read_metrics(path, warn=self.say) if row.get("step", 0) <= keep_through]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
 
     def _install_signals(self) -> Callable[[], None]:
         """First Ctrl-C or SIGTERM: finish the steps in flight, save, stop. A second one aborts."""
@@ -322,17 +285,3 @@ class Trainer:
                 signal.signal(sig, h)
 
         return restore
-
-    def _row(self, result: StepResult, start: float) -> dict[str, Any]:
-        now = time.time()
-        row = {"step": result.step + 1, **result.metrics, **(result.val_metrics or {}),
-               "timing/elapsed": now - start}
-        # throughput over wall time between finished steps (it includes any overlap across steps)
-        wall = now - self._last_end if self._last_end is not None else result.makespan
-        self._last_end = now
-        if wall > 0:
-            row["throughput/samples_per_s"] = self.samples_per_step / wall
-            if "response_length/mean" in row:
-                row["throughput/tokens_per_s"] = self.samples_per_step * row["response_length/mean"] / wall
-        row.update(self.plan_check.observe(row))
-        return row

@@ -14,6 +14,12 @@ A backend registers itself by name with its traits (:func:`backend`); the two
 built in are ``local`` (:mod:`flowrl.runtime.local`) and ``ray``
 (:mod:`flowrl.runtime.ray_backend`), both registered by importing
 :mod:`flowrl.runtime.backends`.
+
+What runs tasks and what looks after the processes that run them are two
+contracts: a :class:`Backend` starts workers, submits, fetches, waits and shuts
+down; its :class:`Supervisor` (``backend.supervisor``) finds dead workers and
+how they ended, replaces them, starts a pool anew and reads a stuck worker's
+stacks — what recovery (:mod:`flowrl.recovery`) asks, never the step loop.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable
 
-from flowrl.errors import WorkerDiedError
+from flowrl.errors import NodeError, RuntimeFailure, WorkerDiedError
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S
 from flowrl.plan.pools import PoolSpec
 from flowrl.plan.traits import LOCAL, BackendTraits, register_traits
@@ -86,36 +92,24 @@ class Backend(abc.ABC):
         """The values behind ``handles`` (one round trip where the backend allows)."""
         return [self.get(h) for h in handles]
 
-    def worker_label(self, pool: str, rank: int) -> str:
-        return f"{pool}[{rank}]"
-
-    def stacks(self, pool: str, rank: int, timeout: float = STACKS_TIMEOUT_S) -> str:
-        """The Python stack of every thread of the worker (pool, rank) runs in, taken while
-        its task may be stuck (:mod:`flowrl.runtime.hangs`); '' when the backend cannot tell."""
-        return ""
-
-    def dead_workers(self) -> list[tuple[str, int]]:
-        """The (pool, rank) of every worker whose process has died (:mod:`flowrl.recovery.restarts`)."""
-        return []
-
-    def death_cause(self, pool: str, rank: int) -> str | None:
-        """How a worker :meth:`dead_workers` found dead ended (:func:`describe_death`), when known."""
-        return None
-
-    def replace(self, pool: str, rank: int) -> None:
-        """Start a new worker for a dead one, in its place, building the same roles. A backend whose
-        workers are not processes of their own reports no dead worker, so is never asked."""
-        raise WorkerDiedError(f"worker {self.worker_label(pool, rank)} died, and the {self.name} backend cannot "
-                              f"start another in its place: resume the run with --resume")
-
-    def restart_pool(self, pool: str) -> None:
-        """Start every worker of ``pool`` anew (the live ones ended: a rank whose peer died may be stuck in
-        a collective) and form its process group again, for a rollback (:mod:`flowrl.recovery.rollback`)."""
-        self.replace(pool, 0)
-
     def discard(self, handles: list[Any]) -> None:
         """Handles the runtime no longer needs, some of which will fail (a task run again): let them
         go without reporting their errors as unhandled."""
+
+    def worker_label(self, pool: str, rank: int) -> str:
+        return f"{pool}[{rank}]"
+
+    @property
+    def supervisor(self) -> "Supervisor":
+        """What looks after this backend's workers (one per backend, made when first asked)."""
+        if "_supervisor" not in self.__dict__:
+            self._supervisor = self.make_supervisor()
+        return self._supervisor
+
+    def make_supervisor(self) -> "Supervisor":
+        """This backend's :class:`Supervisor`; the base one knows no dead worker and reads no stack."""
+        return Supervisor(self)
+
     def startup_spans(self) -> list[Any]:
         """What each process did while the workers started (:class:`~flowrl.runtime.startup.Span`)."""
         return []
@@ -126,6 +120,41 @@ class Backend(abc.ABC):
 
     def shutdown(self) -> None:
         pass
+
+
+class Supervisor:
+    """What looks after a backend's workers (see the module docstring): the base one, for a backend whose
+    workers are not processes of their own (``local``), knows no dead worker and reads no stack."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+
+    def worker_label(self, pool: str, rank: int) -> str:
+        return self.backend.worker_label(pool, rank)
+
+    def stacks(self, pool: str, rank: int, timeout: float = STACKS_TIMEOUT_S) -> str:
+        """The Python stack of every thread of the worker (pool, rank) runs in, taken while
+        its task may be stuck (:mod:`flowrl.runtime.hangs`); '' when the backend cannot tell."""
+        return ""
+
+    def dead_workers(self) -> list[tuple[str, int]]:
+        """The (pool, rank) of every worker whose process has died."""
+        return []
+
+    def death_cause(self, pool: str, rank: int) -> str | None:
+        """How a worker :meth:`dead_workers` found dead ended (:func:`describe_death`), when known."""
+        return None
+
+    def replace(self, pool: str, rank: int) -> None:
+        """Start a new worker for a dead one, in its place, building the same roles. A backend whose
+        workers are not processes of their own reports no dead worker, so is never asked."""
+        raise WorkerDiedError(f"worker {self.worker_label(pool, rank)} died, and the {self.backend.name} backend "
+                              f"cannot start another in its place: resume the run with --resume")
+
+    def restart_pool(self, pool: str) -> None:
+        """Start every worker of ``pool`` anew (the live ones ended: a rank whose peer died may be stuck in
+        a collective) and form its process group again, for a rollback (:mod:`flowrl.recovery.rollback`)."""
+        self.replace(pool, 0)
 
 
 #: every backend, by the name ``flowrl run --backend`` takes: name → factory(address=None)
@@ -158,4 +187,20 @@ def describe_death(exc: BaseException) -> str | None:
     return None
 
 
-__all__ = ["BACKENDS", "Backend", "backend", "describe_death"]
+def named_failure(exc: BaseException, step: int, node: str | None, where: str) -> RuntimeFailure:
+    """What a task's failure fails the step with: the :class:`NodeError` it carries (the operator's,
+    already named), a :class:`WorkerDiedError` when its worker died, else the error named by node,
+    step (0-based) and ``where`` (the worker's label). ``node``: None for a weight sync."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, NodeError):
+        return exc
+    if isinstance(cause, NodeError):
+        return cause
+    death = describe_death(exc) or (describe_death(cause) if cause is not None else None)
+    node = node or "(weight sync)"
+    if death:
+        return WorkerDiedError(f"worker {where} died while running node {node!r} at step {step + 1}: {death}")
+    return RuntimeFailure(f"node {node!r} at step {step + 1} on {where} failed: {type(exc).__name__}: {exc}")
+
+
+__all__ = ["BACKENDS", "Backend", "Supervisor", "backend", "describe_death", "named_failure"]

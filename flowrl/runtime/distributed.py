@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from flowrl.errors import RuntimeFailure
+from flowrl.graph.timeouts import COLLECTIVE_S, DIAGNOSE_S, GROUP_JOIN_S
 from flowrl.runtime.hangs import collective_line
 
 #: gloo between CPU tensors, NCCL between CUDA tensors
@@ -135,7 +136,7 @@ class PoolGroup:
 
     @classmethod
     def join(cls, pool: str, rank: int, world_size: int, address: str, *,
-             backend: str = DEFAULT_BACKEND, timeout_s: float = 300.0, join_timeout_s: float = 600.0,
+             backend: str = DEFAULT_BACKEND, timeout_s: float = COLLECTIVE_S, join_timeout_s: float = GROUP_JOIN_S,
              listener: socket.socket | None = None, device_type: str | None = None) -> "PoolGroup":
         """Join the pool's group: rank 0 passes the ``listener`` from :func:`listen`.
 
@@ -254,10 +255,10 @@ class PoolGroup:
     def _diagnose(self, seq: int) -> str:
         """Which peers are dead, and where the live ones last were, from the store and /proc."""
         try:
-            self._store.set_timeout(datetime.timedelta(seconds=2))
+            self._store.set_timeout(datetime.timedelta(seconds=DIAGNOSE_S))
             notes = []
             # a killed peer's sockets close before its process is gone: give it a moment to finish dying
-            dying_until = time.monotonic() + _DYING_S
+            dying_until = time.monotonic() + DIAGNOSE_S
             for peer in range(self.world_size):
                 if peer == self.rank:
                     continue
@@ -294,10 +295,6 @@ def _is_comm_failure(err: BaseException) -> bool:
         return True
     text = str(err).lower()
     return any(s in text for s in ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket"))
-
-
-#: how long a diagnosis waits for a peer whose connection broke to show up as dead
-_DYING_S = 2.0
 
 
 def _alive(pid: int, until: float = 0.0) -> bool:

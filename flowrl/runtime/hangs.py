@@ -2,7 +2,7 @@
 
 When the watchdog (:mod:`flowrl.recovery.watchdog`) finds a task past its
 timeout, the driver asks that worker for its stacks through the backend
-(:meth:`~flowrl.runtime.backend.Backend.stacks`: a Ray actor answers on a
+(:meth:`~flowrl.runtime.backend.Supervisor.stacks`: a Ray actor answers on a
 control thread of its own while its task thread is stuck; the local backend
 reads its pool's thread). The error then shows the file, line and function
 the task is in. A worker that cannot answer (stopped by SIGSTOP, or stuck
@@ -28,9 +28,12 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import Callable
 
-#: how long the driver waits for a stuck worker's stacks
-STACKS_TIMEOUT_S = 5.0
+from flowrl.errors import NodeTimeoutError
+
+from flowrl.graph.timeouts import STACKS_S as STACKS_TIMEOUT_S  # how long the driver waits for a worker's stacks
+
 #: the frames of a stack kept (innermost): enough to see the operator under the runtime
 MAX_FRAMES = 40
 
@@ -86,7 +89,7 @@ def collective_line(rank: int, inside: tuple[int, str, float] | None, left: tupl
 
 def collective_summary(pool: str, stacks: dict[int, str]) -> str:
     """Which ranks of ``pool`` are inside the latest collective any of them entered, and where the others
-    are, from every rank's stacks (rank → its :meth:`~flowrl.runtime.backend.Backend.stacks` text);
+    are, from every rank's stacks (rank → its :meth:`~flowrl.runtime.backend.Supervisor.stacks` text);
     '' when no rank is inside one."""
     inside = {int(m[1]): (int(m[3]), m[2], float(m[4])) for r, text in stacks.items() for m in _INSIDE.finditer(text)}
     if not inside:
@@ -108,5 +111,15 @@ def collective_summary(pool: str, stacks: dict[int, str]) -> str:
                                                 else ""))
 
 
-__all__ = ["MAX_FRAMES", "STACKS_TIMEOUT_S", "collective_line", "collective_summary", "process_state",
+def get_within(get: Callable[..., object], handle: object, limit: float | None, what: str) -> object:
+    """``get(handle)`` within ``limit`` seconds (None: no limit), else a :class:`NodeTimeoutError` naming ``what``."""
+    try:
+        return get(handle, timeout=limit)
+    except Exception as e:
+        if "Timeout" not in type(e).__name__:  # Ray's GetTimeoutError, concurrent.futures' TimeoutError
+            raise
+        raise NodeTimeoutError(f"{what} did not come within schedule.timeout_s={limit:g}") from None
+
+
+__all__ = ["MAX_FRAMES", "STACKS_TIMEOUT_S", "collective_line", "collective_summary", "get_within", "process_state",
            "thread_stacks", "unanswered"]

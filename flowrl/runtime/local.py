@@ -12,7 +12,8 @@ import threading
 import time
 from typing import Any
 
-from flowrl.runtime.backend import Backend, backend
+from flowrl.runtime.backend import Backend, Supervisor, backend
+from flowrl.graph.timeouts import THREAD_EXIT_S
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, thread_stacks
 from flowrl.plan.pools import DRIVER, PoolSpec
 from flowrl.plan.traits import LOCAL
@@ -75,8 +76,8 @@ class LocalBackend(Backend):
                 return done, [h for h in handles if not h.done()]
             time.sleep(min(0.005, max(0.0, deadline - time.monotonic())))
 
-    def stacks(self, pool: str, rank: int, timeout: float = STACKS_TIMEOUT_S) -> str:
-        return thread_stacks(names=(self._executor(pool, rank).name,))
+    def make_supervisor(self) -> "LocalSupervisor":
+        return LocalSupervisor(self)
 
     def shutdown(self) -> None:
         for q in self.queues.values():
@@ -85,6 +86,15 @@ class LocalBackend(Backend):
         for w in self.workers.values():  # a rollout engine's processes (vLLM) end with the run, not the process
             for role in {id(r): r for r in w.roles.values()}.values():
                 role.close()
+
+
+class LocalSupervisor(Supervisor):
+    """The local backend's threads never die on their own; a stuck one's stack is read in this process."""
+
+    backend: LocalBackend
+
+    def stacks(self, pool: str, rank: int, timeout: float = STACKS_TIMEOUT_S) -> str:
+        return thread_stacks(names=(self.backend._executor(pool, rank).name,))
 
 
 class _DaemonExecutor:
@@ -141,7 +151,7 @@ class _DaemonExecutor:
             # let an idle thread leave before the interpreter tears torch down under it
             # (a thread still inside torch at exit aborts the process); a hung one stays
             if self.thread is not None and self.thread is not threading.current_thread():
-                self.thread.join(timeout=2.0)
+                self.thread.join(timeout=THREAD_EXIT_S)
 
 
 class _Projection:
@@ -160,4 +170,4 @@ class _Projection:
         return self.fut.exception() if self.fut.done() else None
 
 
-__all__ = ["LocalBackend"]
+__all__ = ["LocalBackend", "LocalSupervisor"]

@@ -15,8 +15,9 @@ import uuid
 from typing import Any
 
 from flowrl.runtime import ray_start
-from flowrl.runtime.backend import Backend, backend, describe_death
+from flowrl.runtime.backend import Backend, Supervisor, backend, describe_death
 from flowrl.errors import PlacementError, RuntimeFailure
+from flowrl.graph.timeouts import PLACEMENT_S
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
 from flowrl.plan.pools import DRIVER, PoolSpec
 from flowrl.store.runlog import log_offset, warning_notes
@@ -35,7 +36,7 @@ class RayBackend(Backend):
     """One Ray actor per (pool, rank) in the pool's placement group; the actors of a pool
     of N > 1 form one torch.distributed group before their roles are built."""
 
-    def __init__(self, address: str | None = None, placement_timeout_s: float = 60.0) -> None:
+    def __init__(self, address: str | None = None, placement_timeout_s: float = PLACEMENT_S) -> None:
         self.address = address
         self.placement_timeout_s = placement_timeout_s
         self.actors: dict[tuple[str, int], Any] = {}
@@ -189,39 +190,8 @@ class RayBackend(Backend):
         """What :meth:`ProcessWorker.setup` takes for a worker of pool ``p``."""
         return p.roles, self._nodes, self._seed, max(1, int(p.cpus)), p.gpus, True, first_process
 
-    def dead_workers(self) -> list[tuple[str, int]]:
-        ray = self._ray
-        # asked on the control thread, so a busy (or stopped) worker is not taken for dead
-        pings = {k: a.ping.options(concurrency_group="control").remote() for k, a in self.actors.items()}
-        dead = []
-        for key, ref in pings.items():
-            try:
-                ray.get(ref, timeout=STACKS_TIMEOUT_S)
-            except ray.exceptions.GetTimeoutError:
-                pass
-            except ray.exceptions.RayActorError as e:
-                dead.append(key)
-                self._deaths[key] = describe_death(e) or type(e).__name__
-        return dead
-
-    def death_cause(self, pool: str, rank: int) -> str | None:
-        return self._deaths.get((pool, rank))
-
-    def restart_pool(self, pool: str) -> None:
-        p = self._pools[pool]
-        for rank in range(p.workers):  # a live rank may be stuck in a collective with the dead one
-            self._ray.kill(self.actors.pop((pool, rank)), no_restart=True)
-        for rank in range(p.workers):
-            self.actors[(pool, rank)] = self._worker(p, rank, first_process=False)
-        if p.workers > 1:
-            self._form_groups(self._ray, [p])
-        keys = [(pool, rank) for rank in range(p.workers)]
-        self.pids.update(zip(keys, self._get(self._ray, [self.actors[k].ping.remote() for k in keys])))
-
-    def replace(self, pool: str, rank: int) -> None:
-        actor = self._worker(self._pools[pool], rank, first_process=False)
-        self.pids[(pool, rank)] = self._ray.get(actor.ping.remote())
-        self.actors[(pool, rank)] = actor
+    def make_supervisor(self) -> "RaySupervisor":
+        return RaySupervisor(self)
 
     def discard(self, handles: list[Any]) -> None:
         # an ObjectRef whose error is never read is printed as an "Unhandled error" when it goes:
@@ -275,17 +245,6 @@ class RayBackend(Backend):
         pid = self.pids.get((pool, rank))
         return f"{pool}[{rank}]" + (f" (pid {pid})" if pid else "")
 
-    def stacks(self, pool: str, rank: int, timeout: float = STACKS_TIMEOUT_S) -> str:
-        ray = self._ray
-        # answered on the actor's control thread: its task thread may be the one that is stuck
-        ref = self.actors[(pool, rank)].stacks.options(concurrency_group="control").remote()
-        try:
-            return ray.get(ref, timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            return unanswered(self.worker_label(pool, rank), self.pids.get((pool, rank)), timeout)
-        except ray.exceptions.RayError as e:
-            return f"{self.worker_label(pool, rank)} could not send its stacks: {type(e).__name__}"
-
     def shutdown(self) -> None:
         import ray
 
@@ -326,6 +285,62 @@ class RayBackend(Backend):
         self._pools.clear()
 
 
+class RaySupervisor(Supervisor):
+    """Looks after the Ray actors: pings them on their control thread, replaces a dead one in its bundle,
+    starts a pool anew (its group formed again), and reads a stuck one's stacks."""
+
+    backend: RayBackend
+
+    def dead_workers(self) -> list[tuple[str, int]]:
+        b = self.backend
+        ray = b._ray
+        # asked on the control thread, so a busy (or stopped) worker is not taken for dead
+        pings = {k: a.ping.options(concurrency_group="control").remote() for k, a in b.actors.items()}
+        dead = []
+        for key, ref in pings.items():
+            try:
+                ray.get(ref, timeout=STACKS_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                pass
+            except ray.exceptions.RayActorError as e:
+                dead.append(key)
+                b._deaths[key] = describe_death(e) or type(e).__name__
+        return dead
+
+    def death_cause(self, pool: str, rank: int) -> str | None:
+        return self.backend._deaths.get((pool, rank))
+
+    def restart_pool(self, pool: str) -> None:
+        b = self.backend
+        p = b._pools[pool]
+        for rank in range(p.workers):  # a live rank may be stuck in a collective with the dead one
+            b._ray.kill(b.actors.pop((pool, rank)), no_restart=True)
+        for rank in range(p.workers):
+            b.actors[(pool, rank)] = b._worker(p, rank, first_process=False)
+        if p.workers > 1:
+            b._form_groups(b._ray, [p])
+        keys = [(pool, rank) for rank in range(p.workers)]
+        b.pids.update(zip(keys, b._get(b._ray, [b.actors[k].ping.remote() for k in keys])))
+
+    def replace(self, pool: str, rank: int) -> None:
+        b = self.backend
+        actor = b._worker(b._pools[pool], rank, first_process=False)
+        b.pids[(pool, rank)] = b._ray.get(actor.ping.remote())
+        b.actors[(pool, rank)] = actor
+
+    def stacks(self, pool: str, rank: int, timeout: float = STACKS_TIMEOUT_S) -> str:
+        b = self.backend
+        ray = b._ray
+        # answered on the actor's control thread: its task thread may be the one that is stuck
+        ref = b.actors[(pool, rank)].stacks.options(concurrency_group="control").remote()
+        try:
+            return ray.get(ref, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            return unanswered(b.worker_label(pool, rank), b.pids.get((pool, rank)), timeout)
+        except ray.exceptions.RayError as e:
+            return f"{b.worker_label(pool, rank)} could not send its stacks: {type(e).__name__}"
+
+
 def _group_host(ray: Any, pg: Any) -> str:
     """Where a pool's process group meets: loopback when its workers share a machine, else the
     address of rank 0's node (a pool spread over the machines of a cluster the user joined)."""
@@ -339,4 +354,4 @@ def _group_host(ray: Any, pg: Any) -> str:
     return addresses[bundles[0]]
 
 
-__all__ = ["RayBackend"]
+__all__ = ["RayBackend", "RaySupervisor"]

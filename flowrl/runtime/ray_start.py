@@ -11,6 +11,12 @@ thread and no tokenizer threads set in it (a ``runtime_env`` would make every
 worker's start wait on Ray's runtime-env agent); a joined cluster's workers get
 them through the ``runtime_env``.
 
+On a busy machine a local Ray's own start can time out (its raylet has 30 s, fixed
+inside Ray, to register): the start is tried again after a pause that grows
+(:data:`TRIES`, or ``FLOWRL_RAY_START_TRIES``), and when every try failed one
+:class:`RayStartError` says so, with the machine's load, that no run state was
+touched, and what to try instead.
+
 A local Ray listens on loopback only: an unauthenticated Ray runs code for
 whoever reaches it, so it is closed to the network unless
 ``FLOWRL_RAY_LISTEN_ALL=1`` (``flowrl run --ray-listen-all``) opens it.
@@ -30,9 +36,19 @@ import threading
 import time
 from typing import Any
 
-from flowrl.errors import PlacementError
+from flowrl.errors import PlacementError, RunError
+from flowrl.graph.timeouts import RAY_REACH_S
 from flowrl.runtime.startup import Span
 from flowrl.plan.traits import RAY
+
+
+#: tries of a local Ray's start, and the pause before each try after the first
+TRIES = 3
+BACKOFF_S = (5.0, 20.0)
+
+
+class RayStartError(RunError):
+    """A local Ray did not start (every try timed out or failed); nothing of the run was read or written."""
 
 
 class RayStart:
@@ -90,6 +106,18 @@ def prestart(backend: str, address: str | None = None) -> None:
         begin(address)
 
 
+def exit_now(code: int) -> None:
+    """End this process with ``code`` without waiting for a Ray start in flight (``flowrl run`` refusing
+    before its run began: Ray's own exit would first wait for its start, a minute on a busy machine).
+    Ray's servers die with the thread that started them; nothing of the run was written."""
+    if _PENDING is not None and (not _PENDING._done.is_set() or _PENDING.started_ray):
+        import sys
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def take(address: str | None) -> RayStart:
     """The start :func:`begin` made for ``address`` (or a new one), now owned by the caller."""
     global _PENDING
@@ -137,11 +165,36 @@ def _init_ray(explicit: str | None) -> bool:
         # its processes inherit this one's environment: a runtime_env instead would make each worker's start
         # wait on Ray's runtime-env agent (1-2 s of a first step on 2 busy cores)
         os.environ.update(env["env_vars"])
-        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, **quiet)
+        _start_local(lambda: ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, **quiet),
+                     ray.shutdown)
     return True
 
 
-def _reachable(address: str, origin: str, timeout_s: float = 5.0) -> None:
+def _start_local(init: Any, shutdown: Any, sleep: Any = time.sleep) -> None:
+    """``init()`` until it succeeds, :data:`TRIES` times at most (``FLOWRL_RAY_START_TRIES``), pausing longer
+    before each new try and cleaning up what a failed try left; then one :class:`RayStartError`."""
+    tries = max(1, int(os.environ.get("FLOWRL_RAY_START_TRIES", TRIES)))
+    start, causes = time.time(), []
+    for attempt in range(tries):
+        if attempt:
+            sleep(BACKOFF_S[min(attempt, len(BACKOFF_S)) - 1])
+        try:
+            init()
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception when its node times out
+            causes.append(str(e).split(". ")[0].strip() or type(e).__name__)
+            try:
+                shutdown()  # the processes a failed start left behind
+            except Exception:  # noqa: BLE001 - nothing more to clean
+                pass
+    load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores" if hasattr(os, "getloadavg") else ""
+    raise RayStartError(
+        f"a local Ray did not start ({tries} tries in {time.time() - start:.0f} s{load}: {causes[-1]}); nothing "
+        f"of the run was read or written, its checkpoints are untouched. Try again when the machine is less busy, "
+        f"run with --backend local, or allow more tries with FLOWRL_RAY_START_TRIES={tries * 2}")
+
+
+def _reachable(address: str, origin: str, timeout_s: float = RAY_REACH_S) -> None:
     """Fail fast, naming ``origin``, when a ``host:port`` cluster address does not answer (Ray would retry
     for minutes)."""
     import socket
@@ -156,4 +209,4 @@ def _reachable(address: str, origin: str, timeout_s: float = 5.0) -> None:
                              f"it, fix the address, or unset RAY_ADDRESS to run on a local Ray") from None
 
 
-__all__ = ["RayStart", "begin", "prestart", "take"]
+__all__ = ["RayStart", "RayStartError", "begin", "exit_now", "prestart", "take"]

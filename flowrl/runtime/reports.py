@@ -23,12 +23,10 @@ from typing import Any
 
 from flowrl.data import DataProto
 from flowrl.data.metrics import Reduction
-from flowrl.plan.planner import Plan
+from flowrl.plan.planner import Plan, TaskKey
 from flowrl.plan.simulate import bounds_of, pool_work
 from flowrl.plan.staleness import VersionNotPlanned, planned_version
 from flowrl.runtime.worker import Info
-
-TaskKey = tuple[str, int | None]
 
 
 @dataclass
@@ -44,22 +42,32 @@ class StepResult:
     checkpoint: dict[str, Any] | None = None  # states taken right after this step (see Runtime.run)
     val_metrics: dict[str, float] | None = None  # validation right after this step
     syncs: list[Info] = field(default_factory=list)  # weight loads on other pools this step waited on
-    records: dict[str, DataProto] | None = None  # recorded nodes' outputs (flowrl.provenance.record)
+
+    def row(self) -> dict[str, Any]:
+        """The step's metrics row as the sinks write it: ``step`` (1-based), its metrics, validation's."""
+        return {"step": self.step + 1, **self.metrics, **(self.val_metrics or {})}
 
     @property
     def efficiency(self) -> float:
         return self.lower_bound / self.makespan if self.makespan > 0 else 1.0
 
 
-def step_metrics(plan: Plan, infos: list[Info], submitted_at: float) -> tuple[dict[str, float], float, float]:
-    """``(metrics, makespan, lower bound)`` of one run of ``plan`` (a step, or validation) from its task reports."""
-    reduction = Reduction()
+def task_durations(infos: list[Info]) -> dict[TaskKey, float]:
+    """Each task's seconds: its slowest rank's."""
     durations: dict[TaskKey, float] = {}
-    timing: dict[str, float] = {}
     for info in infos:
         key = (info.node, info.mb)
         durations[key] = max(durations.get(key, 0.0), info.end - info.start)
-        if info.rank not in plan.tasks[key].collected:
+    return durations
+
+
+def step_metrics(plan: Plan, infos: list[Info], submitted_at: float) -> tuple[dict[str, float], float, float]:
+    """``(metrics, makespan, lower bound)`` of one run of ``plan`` (a step, or validation) from its task reports."""
+    reduction = Reduction()
+    durations = task_durations(infos)
+    timing: dict[str, float] = {}
+    for info in infos:
+        if info.rank not in plan.tasks[(info.node, info.mb)].collected:
             continue  # a rank repeating rank 0's computation (dispatch "all")
         reduction.add(info.metrics, weight=float(max(info.rows, 1)))
     for key, d in durations.items():
@@ -109,12 +117,8 @@ def pipeline_metrics(plan: Plan, infos: list[Info], last_end: float | None) -> t
     end = max(i.end for i in infos)
     out: dict[str, float] = {}
     if last_end is not None and end > last_end:
-        durations: dict[TaskKey, float] = {}
-        for i in infos:
-            key = (i.node, i.mb)
-            durations[key] = max(durations.get(key, 0.0), i.end - i.start)
         interval = end - last_end
-        work = max(pool_work(plan, durations).values(), default=0.0)
+        work = max(pool_work(plan, task_durations(infos)).values(), default=0.0)
         out["timing/interval"] = interval
         out["scheduler/pipeline_efficiency"] = min(1.0, work / interval)
     return out, end

@@ -1,23 +1,19 @@
 """The runtime: a submit-and-wait loop over the plan.
 
-The driver submits a whole step at once — every task of the plan, on the ranks
-its dispatch mode names, in the plan's per-pool order — handing each task the
-:class:`~flowrl.data.DataProtoFuture` of its inputs (per-shard handles), never
-their values. Pools then run concurrently; a streaming node's micro-batch m
-starts as soon as its upstream's micro-batch m is done. Steps overlap within
-the staleness bound (:mod:`flowrl.plan.staleness` holds every rule of it).
-
-Then it waits: the reports of every finished task are taken together, the watchdog
-(:mod:`flowrl.recovery.watchdog`) checks what is still running, and a finished step, each
-task's weight version checked against the plan's, becomes a :class:`~flowrl.runtime.reports.StepResult`.
-The driver reads only reports and, on request, a few fields.
+The driver submits a whole step at once — every task of the plan, on the ranks its dispatch
+mode names, in the plan's per-pool order — handing each task the :class:`~flowrl.data.DataProtoFuture`
+of its inputs, never their values. Pools run concurrently; a streaming node's micro-batch m starts as
+soon as its upstream's is done; steps overlap within the staleness bound (:mod:`flowrl.plan.staleness`).
+Then it waits: the reports of every finished task are taken together, and a finished step, each task's
+weight version checked against the plan's, becomes a :class:`~flowrl.runtime.reports.StepResult`. The
+driver reads only reports and, on request, a few fields. The rest attaches from outside
+(:mod:`flowrl.runtime.steps`): driver-step hooks see each finished step; a recovery guard decides on
+each failed report and watches the pending ones.
 
 Example::
 
-    rt = Runtime(graph, backend="local")
-    for result in rt.run(source_batches, steps=3):
-        print(result.metrics["scheduler/efficiency"])
-    rt.close()
+    with Runtime(graph, backend="local") as rt:
+        print([r.metrics["scheduler/efficiency"] for r in rt.run(source_batches, steps=3)])
 """
 
 from __future__ import annotations
@@ -25,52 +21,29 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from collections import Counter, deque
-from dataclasses import dataclass, field
+from collections import Counter, defaultdict, deque
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import get_mode
+from flowrl.errors import RuntimeFailure
 from flowrl.graph import Graph
-from flowrl.runtime.backends import Backend, describe_death, make_backend
-from flowrl.errors import NodeError, RuntimeFailure, WorkerDiedError
-from flowrl.recovery.faults import fault_from_env
-from flowrl.plan.planner import Plan, Task, make_plan
-from flowrl.runtime.reads import fetched, task_input
-from flowrl.provenance.record import collect_records
-from flowrl.recovery.refill import keyed_draw, refill_of, refill_step
-from flowrl.runtime.reports import StepResult, check_versions, node_states, pipeline_metrics, step_metrics
-from flowrl.recovery.restarts import Restarts, RollbackNeeded, replace_dead
+from flowrl.plan.planner import Plan, Task, TaskKey, make_plan
 from flowrl.plan.staleness import Versions, window
+from flowrl.runtime.backends import Backend, make_backend
+from flowrl.plan.reads import fetched, task_input
+from flowrl.runtime.hangs import get_within
+from flowrl.runtime.reports import StepResult, check_versions, node_states, pipeline_metrics, step_metrics
+from flowrl.runtime.steps import (Fail, FinishedStep, Guard, Outcome, RollBack, StepHook, StepRun, Where, forget,
+                                  hand_back_state, lost_tasks, report_status)
 from flowrl.runtime.timeline import Timeline
-from flowrl.recovery.watchdog import TaskTimeout, check_timeouts, get_within
 from flowrl.runtime.worker import Call, Info, node_entries
-
-TaskKey = tuple[str, int | None]
+from flowrl.store.checkpoint import CheckpointStore
 
 
 class DataSourceMismatch(RuntimeFailure):
     """A data source yielded a batch that differs from the columns it declares."""
-
-
-@dataclass
-class _Step:
-    """A submitted run of a plan on one batch (a training step, or validation after it):
-    its tasks' output futures and report handles."""
-
-    step: int
-    submitted_at: float
-    plan: Plan
-    src: Any = None  # the handle of the step's source batch
-    snapshot: dict[str, Any] | None = None  # checkpoint handles queued right after this step
-    validation: "_Step | None" = None  # a validation run queued right behind this step
-    outputs: dict[TaskKey, DataProtoFuture] = field(default_factory=dict)
-    reports: dict[Any, tuple[TaskKey | None, str, int]] = field(default_factory=dict)  # handle → (task, pool, rank)
-    first_report: dict[TaskKey, Any] = field(default_factory=dict)  # a task's report on its first rank
-    batch: DataProto | None = None  # the source batch (a refill replaces prompts in it)
-    state_in: dict[str, Any] = field(default_factory=dict)  # operator states the step started from
-    faults: Counter[str] = field(default_factory=Counter)  # restarts, refills: faults/<name>
 
 
 class Runtime:
@@ -87,51 +60,48 @@ class Runtime:
         poll_s: float = 0.05,
         on_progress: Callable[[int, dict[str, str]], None] | None = None,
         stage: Callable[[int], Path] | None = None,
-        record: Callable[[int], dict[str, list[str]]] | None = None,
+        recovery: Guard | None = None,
+        hooks: Iterable[StepHook] = (),
     ) -> None:
         """``stage(step)``: the directory where the ranks of a sharded role write its shards for
         step ``step``'s checkpoint (a :class:`~flowrl.store.checkpoint.CheckpointStore`'s
-        staging directory); default: one under the system's temporary directory. The plan
-        is made for the backend's traits; with ``trainer.val_every`` it carries the
-        validation plan, run by the same loop. ``record(step)``: the fields of each node whose
-        outputs step ``step``'s result carries as ``records`` (:mod:`flowrl.provenance.record`)."""
+        staging directory); default: one under the system's temporary directory. ``recovery``
+        (default: a failure fails its step, named; nothing is watched) and ``hooks``: see
+        :mod:`flowrl.runtime.steps`."""
         graph.check(resources=resources).raise_if_errors()
         self.graph = graph
         self.backend = make_backend(backend, address) if isinstance(backend, str) else backend
         self.plan: Plan = make_plan(graph, self.backend.traits)
         self.timeline = Timeline()
-        self.fetch = tuple(fetch)
-        self.record = record
-        self.poll_s = poll_s
-        self.on_progress = on_progress
+        self.fetch, self.poll_s, self.on_progress = tuple(fetch), poll_s, on_progress
         self.max_staleness = max((e.staleness for e in graph.state_edges), default=0)
         self.checks_versions = True  # off only where runtimes take turns on one set of workers (a benchmark)
-        self.forget_steps()
-        self._stop = False
-        self._started = False
-        self._in_flight: deque[_Step] = deque()  # the steps submitted behind the one being finished
-        self.restarts = Restarts.for_graph(graph)
-        self._stage = stage or (lambda t: Path(tempfile.gettempdir()) / f"flowrl-shards-{os.getpid()}-{id(self)}"
-                                / f"step_{t + 1:08d}")
+        self.hooks = list(hooks)
+        self.recovery = recovery if recovery is not None else Guard()
+        self.recovery.attach(self, self.backend.supervisor)
+        self._reset()
+        self._stop = self._started = False
+        self._in_flight: deque[StepRun] = deque()  # the steps submitted behind the one being finished
+        self._finishing: StepRun | None = None  # the step whose reports are awaited
+        self._carried: defaultdict[int, Counter[str]] = defaultdict(Counter)  # faults of steps to run again
+        self._stage = stage or CheckpointStore(Path(tempfile.gettempdir())
+                                               / f"flowrl-shards-{os.getpid()}-{id(self)}").path
 
     # ------------------------------------------------------------------ placement
     def start(self) -> "Runtime":
         if self._started:
             return self
-        fault = fault_from_env()
-        nodes = {p.kind: node_entries(p, fault) for p in self.plan.runs()}
-        # no idle driver process when every node runs in a pool
+        nodes = {p.kind: node_entries(p) for p in self.plan.runs()}  # no driver process when no node runs there
         self.backend.start(self.plan.pools, nodes, self.graph.config.trainer.seed, driver=self.plan.driver)
         self._started = True
         return self
 
-    def forget_steps(self) -> None:
-        """No step in flight, no weight version moved (at the start, and for a rollback: :meth:`restore` next)."""
+    def _reset(self) -> None:
+        """No step in flight, no weight version moved."""
         self.versions = Versions(self.max_staleness, self.backend.call, lambda: self.backend.put(None))
-        # per plan: stateful node → handle of its latest state (a report)
-        self._op_state: dict[str, dict[str, Any]] = {p.kind: {} for p in self.plan.runs()}
+        self._op_state: dict[str, dict[str, Any]] = {p.kind: {} for p in self.plan.runs()}  # node → latest state
         self._last_step_end: float | None = None
-        self._worker_free: dict[tuple[str, int], float] = {}  # when each worker last finished a task
+        self.worker_free: dict[tuple[str, int], float] = {}  # when each worker last finished a task
 
     # ------------------------------------------------------------------ running
     def run(
@@ -144,23 +114,20 @@ class Runtime:
         validate: Callable[[int], bool] | None = None,
         val_batches: Iterator[DataProto] | None = None,
     ) -> Iterator[StepResult]:
-        """Run ``steps`` steps, yielding each result in order as it finishes.
+        """Run ``steps`` steps, yielding each result in order as it finishes (after a rollback, the
+        steps behind its checkpoint run, and are yielded, again).
 
-        ``checkpoint(step)`` says which steps' results carry a checkpoint: every worker's state
-        queued right behind that step's tasks (so later steps, already submitted, are not in it),
-        the data position after that step's batch (when ``batches`` has a ``state_dict``), the
-        operator states and the weights that in-flight steps will still load. ``validate(step)``
-        says after which steps the validation plan runs on the next of ``val_batches`` (its
-        metrics come back as ``val/...``). :meth:`request_stop` ends the run after the steps
-        already submitted.
-        """
+        ``checkpoint(step)``: which steps' results carry a checkpoint — every worker's state queued
+        right behind that step's tasks (later steps, already submitted, are not in it), the data
+        position after its batch (when ``batches`` has a ``state_dict``), the operator states and
+        the weights in-flight steps will still load. ``validate(step)``: after which steps the
+        validation plan runs on the next of ``val_batches`` (``val/...`` metrics).
+        :meth:`request_stop` ends the run after the steps already submitted."""
         self.start()
         self._stop = False
         source = batches if hasattr(batches, "__next__") else iter(batches)
-        in_flight: deque[_Step] = deque()
-        self._in_flight = in_flight
-        t = start_step
-        end = start_step + steps
+        in_flight = self._in_flight = deque()
+        t, end = start_step, start_step + steps
         try:
             while t < end or in_flight:
                 while t < end and not self._stop and len(in_flight) < window(self.max_staleness):
@@ -175,10 +142,13 @@ class Runtime:
                 if not in_flight:
                     break
                 result = self._finish(in_flight.popleft())
+                if isinstance(result, RollBack):  # a checkpoint was loaded: go on from the step after it
+                    t = result.step
+                    continue
                 if on_step is not None:
                     on_step(result)
                 yield result
-        except (GeneratorExit, RollbackNeeded):  # the caller stopped iterating (run_step), or rolls back: stays up
+        except GeneratorExit:  # the caller stopped iterating (run_step): stays up
             raise
         except BaseException:
             self.close()
@@ -193,18 +163,20 @@ class Runtime:
         return next(self.run([batch], steps=1, start_step=step))
 
     # ------------------------------------------------------------------ submitting
-    def _submit_step(self, t: int, batch: DataProto, plan: Plan) -> _Step:
+    def _submit_step(self, t: int, batch: DataProto, plan: Plan) -> StepRun:
         problems = batch.check_fields(plan.graph.source_fields)
         if problems:
             raise DataSourceMismatch(f"step {t + 1}: the data source's batch does not match the columns it declares: "
                                      + "; ".join(problems))
-        st = _Step(t, time.time(), plan, src=self.backend.put(batch), batch=batch,
-                   state_in=dict(self._op_state[plan.kind]))
+        st = StepRun(t, time.time(), plan, src=self.backend.put(batch), batch=batch,
+                     state_in=dict(self._op_state[plan.kind]))
+        if plan.kind == "train":
+            st.faults.update(self._carried.pop(t, {}))
         for key in plan.order:
             self._submit_task(st, plan.tasks[key])
         return st
 
-    def _submit_task(self, st: _Step, task: Task) -> None:
+    def _submit_task(self, st: StepRun, task: Task) -> None:
         """Submit one task of step ``st`` on every rank its dispatch mode runs it on."""
         t, kind = st.step, st.plan.kind
         read = task_input(task, st.src, st.outputs)
@@ -241,43 +213,55 @@ class Runtime:
             self.versions.updated(task.updates, t, task.pool, st.first_report[task.key], task.publishes, task.gather)
 
     # ------------------------------------------------------------------ waiting
-    def _finish(self, st: _Step) -> StepResult:
-        pending = dict(st.reports)
-        received: set[Any] = set()
-        ended: dict[TaskKey, float] = {}
+    def _finish(self, st: StepRun) -> StepResult | RollBack:
+        """Wait for every report of ``st``, then its result; recovery decides on each failed report."""
+        self._finishing = st
+        pending, received, ended = dict(st.reports), set(), {}
         infos: list[Info] = []
         syncs: list[Info] = []  # weight loads on other pools (their fingerprints)
-        label = self.backend.worker_label
-        training = st.plan.kind == "train"  # validation reports no progress and moves no weight version
         while pending:
             done = self.backend.wait_reports(list(pending), timeout=self.poll_s)
-            for h, outcome in done:
-                key, pool, rank = pending.pop(h)
-                if isinstance(outcome, BaseException):
-                    if self._recovered(st, outcome):  # the lost tasks run again (new worker, new prompts)
-                        pending = {h: v for h, v in st.reports.items() if h not in received}
-                        break
-                    if self.on_progress is not None and key is not None and training:
-                        self.on_progress(st.step, {**node_states(st.plan, ended), key[0]: "failed"})
-                    raise self._failure(outcome, st.step, key, pool, rank) from None
-                info: Info = outcome
+            for h, report in done:
+                where = pending.pop(h)
+                if isinstance(report, BaseException):
+                    outcome = self.recovery.failed(st, report, where)
+                    if isinstance(outcome, RollBack):
+                        return outcome
+                    self._fail_on(st, outcome, ended, where[0] and where[0][0], "failed")
+                    pending = {k: v for k, v in st.reports.items() if k not in received}  # the lost tasks, again
+                    break
                 received.add(h)
-                if key is not None:
-                    ended[key] = max(ended.get(key, 0.0), info.end)
-                    infos.append(info)
-                elif info.prints is not None:
-                    syncs.append(info)
-                self._worker_free[(pool, rank)] = max(self._worker_free.get((pool, rank), 0.0), info.end)
-                self.timeline.add(info)
-            if done and self.on_progress is not None and training:
+                self._take(report, where, ended, infos, syncs)
+            if done and self.on_progress is not None and st.plan.kind == "train":
                 self.on_progress(st.step, node_states(st.plan, ended))
-            try:
-                check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self._worker_free,
-                               label, self.backend.stacks)
-            except TaskTimeout as e:  # the live view marks the stuck node
-                if self.on_progress is not None and training and e.node is not None:
-                    self.on_progress(st.step, {**node_states(st.plan, ended), e.node: "stuck"})
-                raise
+            stuck = self.recovery.watch(st, pending, ended)
+            self._fail_on(st, stuck, ended, getattr(stuck and stuck.error, "node", None), "stuck")
+        return self._result(st, infos, syncs)
+
+    def _take(self, info: Info, where: Where, ended: dict[TaskKey, float], infos: list[Info],
+              syncs: list[Info]) -> None:
+        """A report that came back: a task's (its end), or a weight sync's (its fingerprints)."""
+        key, pool, rank = where
+        if key is not None:
+            ended[key] = max(ended.get(key, 0.0), info.end)
+            infos.append(info)
+        elif info.prints is not None:
+            syncs.append(info)
+        self.worker_free[(pool, rank)] = max(self.worker_free.get((pool, rank), 0.0), info.end)
+        self.timeline.add(info)
+
+    def _fail_on(self, st: StepRun, outcome: Outcome | None, ended: dict[TaskKey, float], node: str | None,
+                 state: str) -> None:
+        """Raise a :class:`Fail`'s error, the live view marking ``node`` (``failed``, ``stuck``)."""
+        if not isinstance(outcome, Fail):
+            return
+        if self.on_progress is not None and node is not None and st.plan.kind == "train":
+            self.on_progress(st.step, {**node_states(st.plan, ended), node: state})
+        raise outcome.error from None
+
+    def _result(self, st: StepRun, infos: list[Info], syncs: list[Info]) -> StepResult | RollBack:
+        """A finished run's result (metrics, fields, checkpoint, validation); hooks see a training step's."""
+        training = st.plan.kind == "train"  # validation reports no progress and moves no weight version
         if training:
             self.versions.finished(st.step)
             if self.checks_versions:
@@ -287,50 +271,68 @@ class Runtime:
             extra, self._last_step_end = pipeline_metrics(st.plan, infos, self._last_step_end)
             metrics.update(extra)
         metrics.update({f"faults/{k}": float(v) for k, v in st.faults.items() if k != "refill_rounds"})
-        data = self._collect(st) if self.fetch and training else None
+        data = self._read(st, self.fetch) if self.fetch and training else None
         result = StepResult(st.step, metrics, infos, makespan, bound, data, syncs=syncs)
-        wanted = self.record(st.step) if self.record is not None and training else None
-        if wanted:
-            result.records = collect_records(self.plan, wanted, st.src, st.outputs, self.backend.get_many)
         if st.snapshot is not None:
             result.checkpoint = self._resolve_snapshot(st.snapshot)
         if st.validation is not None:
             val = self._finish(st.validation)
+            if isinstance(val, RollBack):
+                return val
             result.val_metrics = {f"val/{k}": v for k, v in val.metrics.items() if not k.startswith("scheduler/")}
+        if training:
+            done = FinishedStep(result, result.row(), lambda names: self._read(st, names))
+            for hook in self.hooks:
+                hook.step_done(done)
         return result
 
-    def _recovered(self, st: _Step, exc: BaseException) -> bool:
-        steps, op_state = [st, *self._in_flight], self._op_state[st.plan.kind]
-        need = refill_of(exc)
-        if need is not None:  # raises when the step cannot be refilled
-            return refill_step(need, steps, self.backend, self.versions.syncs, self._submit_task, op_state,
-                               keyed_draw(self.graph.config), self._requeue_snapshot)
-        return replace_dead(self.backend, self.restarts, self.versions.syncs, steps, self._submit_task, op_state, exc,
-                            self._requeue_snapshot)
-
-    def _requeue_snapshot(self, st: _Step) -> None:
-        """A step run again: its checkpoint is taken again behind it (with the data position it had)."""
-        if st.snapshot is not None:
-            st.snapshot = {**self._queue_snapshot(st.step, None), "source": st.snapshot["source"]}
-
-    def _failure(self, exc: BaseException, step: int, key: TaskKey | None, pool: str, rank: int) -> RuntimeFailure:
-        cause = getattr(exc, "cause", None)
-        if isinstance(exc, NodeError):
-            return exc
-        if isinstance(cause, NodeError):
-            return cause
-        death = describe_death(exc) or (describe_death(cause) if cause is not None else None)
-        node = key[0] if key else "(weight sync)"
-        where = self.backend.worker_label(pool, rank)
-        if death:
-            return WorkerDiedError(f"worker {where} died while running node {node!r} at step {step + 1}: {death}")
-        return RuntimeFailure(f"node {node!r} at step {step + 1} on {where} failed: {type(exc).__name__}: {exc}")
-
-    def _collect(self, st: _Step) -> DataProto:
-        """The fetched fields of a step, at the finest row space among them
-        (prompt-level columns repeated to sample rows, as a consumer sees them)."""
-        fut = fetched(self.plan, self.fetch, st.src, st.outputs)
+    def _read(self, st: StepRun, names: Iterable[str]) -> DataProto:
+        """Fields of a step at the finest row space among them, as a consumer sees them."""
+        fut = fetched(self.plan, tuple(names), st.src, st.outputs)
         return fut.collect(self.backend.get_many(fut.handles()))
+
+    # ------------------------------------------------------------------ recovery's port
+    def steps(self) -> list[StepRun]:
+        """The step being finished, then the steps submitted behind it."""
+        return [s for s in (self._finishing, *self._in_flight) if s is not None]
+
+    def reported(self, handle: Any) -> bool | None:
+        """True: the report came back; False: not yet; None: it failed."""
+        return report_status(self.backend, handle)
+
+    def resubmit_lost(self, dead: set[tuple[str, int]], whole_first: bool = False) -> int:
+        """Submit again, step by step in plan order, the tasks lost to ``dead`` (``whole_first``: and every
+        task of the step being finished; :func:`~flowrl.runtime.steps.lost_tasks`); how many."""
+        steps = self.steps()
+        first = frozenset(steps[0].plan.order) if whole_first else frozenset()
+        lost, lost_updates = lost_tasks(steps, dead, self.reported, first)
+        self.backend.discard([h for st, keys in zip(steps, lost)
+                              for h in forget(st, keys, dead, self.versions.syncs, lost_updates)])
+        op_state = self._op_state[steps[0].plan.kind]
+        for st, keys in zip(steps, lost):
+            for key in keys:
+                if st.plan.tasks[key].stateful:
+                    hand_back_state(op_state, st, key)
+                self._submit_task(st, st.plan.tasks[key])
+            if keys and st.snapshot is not None:  # with the data position it had
+                st.snapshot = {**self._queue_snapshot(st.step, None), "source": st.snapshot["source"]}
+        return sum(map(len, lost))
+
+    def rebatch(self, st: StepRun, batch: DataProto) -> None:
+        """Give step ``st`` another source batch (before its tasks are submitted again)."""
+        st.batch, st.src = batch, self.backend.put(batch)
+
+    def forget_steps(self) -> None:
+        """Drop every step in flight and every weight version moved (a rollback: :meth:`restore` next)."""
+        self.backend.discard([h for st in self.steps()
+                              for h in [*st.reports, *(h for o in st.outputs.values() for h in o.handles())]])
+        self._finishing = None
+        self._in_flight.clear()
+        self._reset()
+
+    def count(self, step: int, fault: str, n: int = 1) -> None:
+        """Add ``n`` to ``faults/<fault>`` of 0-based step ``step`` when it runs again (after a rollback)."""
+        self._carried[step][fault] += n
 
     # ------------------------------------------------------------------ checkpoints
     def _queue_snapshot(self, t: int, source: Any) -> dict[str, Any]:
@@ -367,11 +369,8 @@ class Runtime:
 
     def restore(self, payload: dict[str, Any]) -> None:
         """Load a checkpoint payload into the (started) workers; the next step is ``payload['step'] + 1``.
-
-        A pool may now have another number of workers than the payload's: a rank the
-        checkpoint has no state for takes rank 0's, without its own (per-rank) parts,
-        and sharded roles reshard from ``payload['shards']``.
-        """
+        A rank the checkpoint has no state for (another worker count) takes rank 0's, without its own
+        (per-rank) parts; sharded roles reshard from ``payload['shards']``."""
         self.start()
         saved = payload["workers"]
         handles = []

@@ -8,8 +8,11 @@ collect (its dispatch mode) and takes the columns, rows and repeat factor the
 plan's reads say — and take its rank's part (the task's dispatch mode's split);
 **run** the operator, checking it returned its input rows times its declared
 expansion, and let the mode tag the output for its collect; **report** what
-happened (start, end, weight version, metrics, operator state). The same class
-runs in-process (local backend) and as a Ray actor (ray backend).
+happened (weight version, metrics, operator state, and what each hook adds). What
+cuts across every task — timing, fingerprints, the node's ``on_error`` policy, the
+fault switch — runs as the node's hooks (:mod:`flowrl.runtime.hooks`), registered by
+their wings and built here once per worker. The same class runs in-process (local
+backend) and as a Ray actor (ray backend).
 """
 
 from __future__ import annotations
@@ -24,15 +27,13 @@ from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import RowKeys, get_mode
 from flowrl.data.expand import RowCountError, check_rows
 from flowrl.graph import OperatorSpec, Params, Role, Stateful
-from flowrl.graph.config import OnErrorConfig
+from flowrl.graph.timeouts import COLLECTIVE_S
 from flowrl.store.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
-from flowrl.errors import NodeError, RunError, StalenessError
-from flowrl.recovery.faults import Fault, Injector, RefillNeeded, run_guarded
+from flowrl.errors import NodeError, RefillNeeded, RunError, StalenessError
 from flowrl.runtime.hangs import thread_stacks
-from flowrl.provenance.fingerprints import WeightDigests, source_prints, source_readers, task_prints
+from flowrl.runtime.hooks import HookSpec, TaskHook, TaskRun, Timing, hook_specs, wrapped
 from flowrl.plan.pools import RoleBuild
-from flowrl.plan.rowspace import input_space
 
 if TYPE_CHECKING:
     from flowrl.plan.planner import Plan
@@ -56,7 +57,8 @@ class RoleContext:
 @dataclass
 class NodeEntry:
     """What a worker needs to run one node: the operator, its parameters, its
-    role, and the node's field renames (graph name → the operator's own name)."""
+    role, the node's field renames (graph name → the operator's own name) and the
+    hooks its tasks run with (:mod:`flowrl.runtime.hooks`)."""
 
     op: OperatorSpec
     params: Params
@@ -64,30 +66,19 @@ class NodeEntry:
     inputs: dict[str, str] = field(default_factory=dict)  # graph field → operator field
     outputs: dict[str, str] = field(default_factory=dict)  # operator field → graph field
     name: str = ""  # the node's name, for errors
-    on_error: OnErrorConfig | None = None  # the node's failure policy (:mod:`flowrl.recovery.faults`)
-    group: int = 1  # input rows per prompt: a group, for on_error drop_group without a uid column
-    fault: Fault | None = None  # the fault switch, when it names this node
-    fingerprint: bool = False  # report the output's fingerprints (flowrl.provenance.fingerprints)
-    source_inputs: tuple[str, ...] = ()  # the data-source fields it is the first to read (it fingerprints them)
+    hooks: tuple[HookSpec, ...] = ()  # built once per worker, in this order (the first wraps the others)
 
 
-def node_entries(plan: Plan, fault: Fault | None = None) -> dict[str, NodeEntry]:
-    """What workers need to run each node of ``plan``'s graph (``fault``: the fault switch)."""
-    graph = plan.graph
-    printed = source_readers(graph)
+def node_entries(plan: Plan) -> dict[str, NodeEntry]:
+    """What workers need to run each node of ``plan``'s graph, with the hooks the registered
+    providers give it (:func:`~flowrl.runtime.hooks.hook_specs`)."""
+    hooks = hook_specs(plan)
     return {
         n: NodeEntry(node.op, node.params, node.role,
                      inputs={g_name: op_name for op_name, g_name in node.config.inputs.items()},
-                     outputs=dict(node.config.outputs), name=n, on_error=node.config.on_error,
-                     group=input_space(graph, plan.spaces, n).factor,
-                     fault=fault if fault is not None and fault.node == n else None,
-                     fingerprint=graph.config.trainer.fingerprints,
-                     source_inputs=printed.get(n, ()))
-        for n, node in graph.nodes.items()
+                     outputs=dict(node.config.outputs), name=n, hooks=hooks.get(n, ()))
+        for n, node in plan.graph.nodes.items()
     }
-
-
-__all__ = ["DataSourceMismatch", "Runtime", "StepResult"]
 
 
 @dataclass
@@ -185,9 +176,8 @@ class Worker:
         self.versions: dict[str, int] = {}
         self._builds, self._seed, self._gpus = roles, seed, gpus
         self._listener = None
-        self._faults = {(plan, n): Injector(e.fault, first_process) for plan, es in nodes.items()
-                        for n, e in es.items() if e.fault is not None}
-        self.digests = WeightDigests()
+        self.first_process = first_process
+        self._hooks = self._build_hooks(nodes)
         self.group = PoolGroup.single(pool, _device(gpus))
         if not (distributed and world_size > 1):
             self._build_roles()
@@ -198,7 +188,7 @@ class Worker:
         self._listener = listen(host)
         return f"{host}:{self._listener.getsockname()[1]}"
 
-    def join_group(self, address: str, backend: str = DEFAULT_BACKEND, timeout_s: float = 300.0) -> int:
+    def join_group(self, address: str, backend: str = DEFAULT_BACKEND, timeout_s: float = COLLECTIVE_S) -> int:
         """Join the pool's process group at ``address`` (every rank at once), then build the roles on it."""
         try:
             self.group = PoolGroup.join(self.pool, self.rank, self.world_size, address, backend=backend,
@@ -231,9 +221,48 @@ class Worker:
             self.versions[rb.name] = 0
             self._set_version(rb.name)
 
+    def _build_hooks(self, nodes: dict[str, dict[str, NodeEntry]]) -> dict[tuple[str, str], list[TaskHook]]:
+        """Each node's hooks, timing first. Each spec is built once for this worker: nodes that share a
+        spec share its hook (one digest cache of the weights, one count of a fault's firings)."""
+        built: dict[int, TaskHook] = {}
+        for entries in nodes.values():
+            for entry in entries.values():
+                for spec in entry.hooks:
+                    if id(spec) not in built:
+                        built[id(spec)] = spec.build(self)
+        self._loaded_hooks = list(built.values())
+        timing = Timing()
+        return {(plan, n): [timing, *(built[id(spec)] for spec in e.hooks)]
+                for plan, entries in nodes.items() for n, e in entries.items()}
+
     # ------------------------------------------------------------------ tasks
     def execute(self, call: Call, *inputs: Any) -> tuple[DataProto, Info]:
-        """Assemble → run → report one task (see the module docstring)."""
+        """Assemble → run → report one task (see the module docstring), through the node's hooks."""
+        hooks = self._hooks[(call.plan, call.node)]
+        task = TaskRun(call, self.nodes[call.plan][call.node])
+        try:
+            for hook in hooks:
+                hook.before(task)
+            state, tags = self._assemble(task, inputs)
+            run = wrapped(hooks, task, lambda rows: self._run(task.entry, task.role, rows))
+            out, metrics = run(task.batch)
+            out, moved = self._settle(task, out, state, tags)
+            metrics = {**metrics, **moved}
+            report = {k: v for hook in hooks for k, v in hook.after(task, out).items()}
+        except RefillNeeded:
+            raise  # a request to the driver (flowrl.recovery.refill), not a failure of the node
+        except (StalenessError, NonFiniteOutput, RowCountError) as e:
+            raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
+        except Exception as e:
+            raise NodeError(call.node, call.step, call.mb, self.label, f"{type(e).__name__}: {e}",
+                            traceback.format_exc()) from None
+        info = Info(call.node, call.step, call.mb, self.pool, self.rank, os.getpid(), rows=len(task.batch),
+                    version=task.version, metrics=metrics, state=state, plan=call.plan, **report)
+        return out, info
+
+    def _assemble(self, task: TaskRun, inputs: tuple[Any, ...]) -> tuple[dict[str, Any] | None, Any]:
+        """``task``'s input (its rank's part of the collected read, the operator state put in), role and
+        weight version, checked against the plan's minimum; the state and the split's tags."""
         import torch
 
         # OpenMP's thread count is per OS thread: a task may run on a thread other than
@@ -241,62 +270,34 @@ class Worker:
         # two spinning threads per process on shared cores run many times slower
         if torch.get_num_threads() != self.threads:
             torch.set_num_threads(self.threads)
-        start = time.time()
-        entry = self.nodes[call.plan][call.node]
-        role_obj = self.roles.get(entry.role) if entry.role else None
-        version = self.versions[self.owner[entry.role]] if entry.role else None
-        state = prints = None
-        try:
-            if call.min_version is not None and version is not None and version < call.min_version:
-                raise StalenessError(
-                    f"role {entry.role!r} is at weight version {version}, but step {call.step} may use "
-                    f"no older than {call.min_version}"
-                )
-            shards = inputs[call.n_gates:]
-            if call.stateful:
-                state = self._state_in(entry, shards[0])
-                shards = shards[1:]
-            mode = get_mode(call.dispatch)
-            whole = call.inputs.collect(shards) if call.inputs is not None else DataProto()
-            batch, tags = mode.split(whole, call.rank, call.world, call.keys)
-            if state is not None:
-                batch.meta_info[entry.op.state.key] = state
-            printing = entry.fingerprint and call.plan == "train"  # training steps only
-            used = self._digest(entry.role) if printing and entry.role else None
-            source = source_prints(batch, entry.source_inputs) if printing else {}
-            inject = self._faults.get((call.plan, call.node))
+        call, entry = task.call, task.entry
+        task.role = self.roles.get(entry.role) if entry.role else None
+        task.version = self.versions[self.owner[entry.role]] if entry.role else None
+        if call.min_version is not None and task.version is not None and task.version < call.min_version:
+            raise StalenessError(f"role {entry.role!r} is at weight version {task.version}, but step {call.step} "
+                                 f"may use no older than {call.min_version}")
+        shards = inputs[call.n_gates:]
+        state = self._state_in(entry, shards[0]) if call.stateful else None
+        reads = shards[1:] if call.stateful else shards
+        whole = call.inputs.collect(reads) if call.inputs is not None else DataProto()
+        task.batch, tags = get_mode(call.dispatch).split(whole, call.rank, call.world, call.keys)
+        if state is not None:
+            task.batch.meta_info[entry.op.state.key] = state
+        return state, tags
 
-            def run(rows: DataProto) -> tuple[DataProto, dict[str, float]]:
-                if inject is not None:
-                    inject(call.node, call.step, call.rank, call.mb)
-                return self._run(entry, role_obj, rows)
-
-            out, metrics = run_guarded(run, batch, entry.on_error, entry.group, call.factor,
-                                       (call.node, call.step, call.mb))
-            out = mode.tag(out, tags, call.factor)
-            if state is not None:
-                batch.meta_info.pop(entry.op.state.key, None)
-            if entry.op.updates_role:  # the worker decides the new version; the role is told it
-                owner = self.owner[entry.role]
-                self.versions[owner] += 1
-                metrics = {**metrics, **self._set_version(owner)}
-            if printing:  # after the update moved the version: "after" is the new weights' digest
-                after = self._digest(entry.role) if entry.op.updates_role and used is not None else None
-                prints = task_prints(out, batch, source, entry.role, used, after)
-        except RefillNeeded:
-            raise  # the driver refills the step (flowrl.recovery.refill)
-        except (StalenessError, NonFiniteOutput, RowCountError) as e:
-            raise NodeError(call.node, call.step, call.mb, self.label, str(e)) from None
-        except Exception as e:
-            raise NodeError(call.node, call.step, call.mb, self.label, f"{type(e).__name__}: {e}",
-                            traceback.format_exc()) from None
-        info = Info(call.node, call.step, call.mb, self.pool, self.rank, os.getpid(), start, time.time(),
-                    len(batch), version, metrics, state, call.plan, prints)
-        return out, info
-
-    def _digest(self, role: str) -> str | None:
-        owner = self.owner[role]
-        return self.digests.of(owner, self.versions[owner], self.roles[owner])
+    def _settle(self, task: TaskRun, out: DataProto, state: dict[str, Any] | None,
+                tags: Any) -> tuple[DataProto, dict[str, float]]:
+        """``out`` tagged for its mode's collect; the operator state taken back out of the input; an
+        update's weight version moved (the worker decides it; the role is told, and reports what its
+        engines did with it)."""
+        out = get_mode(task.call.dispatch).tag(out, tags, task.call.factor)
+        if state is not None:
+            task.batch.meta_info.pop(task.entry.op.state.key, None)
+        if not task.entry.op.updates_role:
+            return out, {}
+        owner = self.owner[task.entry.role]
+        self.versions[owner] += 1
+        return out, self._set_version(owner)
 
     def _run(self, entry: NodeEntry, role_obj: Any, batch: DataProto) -> tuple[DataProto, dict[str, float]]:
         """The operator on ``batch`` (graph field names in and out), its output checked."""
@@ -335,11 +336,9 @@ class Worker:
         owner = self.owner[role]
         self.versions[owner] = version
         self._set_version(owner)
-        self.digests.forget(owner)
-        # what the invariants compare with what the update left
-        arrived = self._digest(role) if any(e.fingerprint for e in self.nodes.get("train", {}).values()) else None
+        report = {k: v for hook in self._loaded_hooks for k, v in hook.loaded(role).items()}
         return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version,
-                    prints={"role": role, "digest": arrived} if arrived is not None else None)
+                    **report)
 
     def get_state(self, shards: str | None = None) -> dict[str, Any]:
         """Every role's state and weight version, for a checkpoint: the roles' tensors written
@@ -356,7 +355,8 @@ class Worker:
         ``own``: written by this very rank (else by another rank of the pool, whose per-rank
         parts, such as its sampling stream, are not taken)."""
         load_states(shards, self.roles, state["roles"], self.group, self.rank, own)
-        self.digests.forget()
+        for hook in self._loaded_hooks:
+            hook.loaded(None)
         # the run goes on from the versions it saved: the next update moves each one up by one
         self.versions.update(state["versions"])
         for owner in self.versions:

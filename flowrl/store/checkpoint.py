@@ -6,7 +6,9 @@ for one process and N ranks, see :mod:`flowrl.store.checkpoint_state`), and
 the rest of a run's state rides along: the data position, the operators' state,
 the weights fetched for steps still in flight, each rank's sampling stream. It
 lists, stages, saves, loads, verifies and purges (keeps the newest ``keep``).
-Nothing else knows the layout; ``flowrl export`` asks :meth:`CheckpointStore.read_role`.
+Nothing else knows the layout: a run keeps its checkpoints in ``<out>/checkpoints``
+(:meth:`CheckpointStore.of_run`), a step's directory is named by :meth:`CheckpointStore.path`,
+and ``flowrl export`` asks :meth:`CheckpointStore.read_role`.
 
 A checkpoint after k completed steps is a directory ``step_<k>``::
 
@@ -25,7 +27,7 @@ unpickled. The directory's name, not the editable metadata, decides the step.
 
 Example::
 
-    store = CheckpointStore("runs/grpo/checkpoints", keep=3)
+    store = CheckpointStore.of_run("runs/grpo", keep=3)      # runs/grpo/checkpoints
     store.save(step=49, payload=result.checkpoint, meta={"graph": graph.config.dump()})
     payload, meta, path = store.load_latest(warn=print)
 """
@@ -41,7 +43,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Callable
 
-from flowrl.store.checkpoint_state import (ROLES, CheckpointError, UnreadableCheckpoint, no_space_message,
+from flowrl.store.checkpoint_state import (ROLES, TENSOR, CheckpointError, UnreadableCheckpoint, no_space_message,
                                              read_full, read_weights, write_weights)
 
 #: the layout this flowrl writes and reads (1: workers.pt and weights.pt, before the checkpointer)
@@ -50,11 +52,25 @@ MANIFEST = "manifest.json"
 
 #: trainer keys that may change between a run and its resumption
 RESUMABLE_KEYS = ("steps", "out", "checkpoint_every", "keep_checkpoints", "log_every", "val_every",
-                  "dump_rollouts", "wandb_project", "record")
+                  "dump_rollouts", "wandb_project", "record", "fault")
 
+
+#: the largest meta.json read (a run's JSON state is kilobytes; a bigger file is not one this flowrl wrote)
+META_MAX_BYTES = 64 << 20
+#: a DCP shard file's name: the k-th of N a role's ranks wrote
+_SHARD = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+#: the folder of a run directory (``trainer.out``) that holds its checkpoints
+CHECKPOINTS = "checkpoints"
 
 #: a complete checkpoint's directory name; the number is the count of completed steps
 STEP_DIR = re.compile(r"step_(\d{1,12})")
+
+
+def step_name(done: int) -> str:
+    """The directory name of the checkpoint after ``done`` completed steps (``100`` → ``step_00000100``)."""
+    return f"step_{done:08d}"
 
 
 def written_by() -> str:
@@ -71,6 +87,20 @@ class CheckpointStore:
     def __init__(self, root: str | Path, keep: int = 3) -> None:
         self.root = Path(root)
         self.keep = keep
+
+    @classmethod
+    def of_run(cls, run_dir: str | Path, keep: int = 3) -> "CheckpointStore":
+        """The checkpoints of the run directory ``run_dir`` (``trainer.out``)."""
+        return cls(Path(run_dir) / CHECKPOINTS, keep=keep)
+
+    def path(self, step: int) -> Path:
+        """Where the checkpoint of step ``step`` (0-based) lives once saved: named by completed steps, as
+        the run shows them ("step 100/300" → ``step_00000100``)."""
+        return self.root / step_name(step + 1)
+
+    def any_saved(self) -> bool:
+        """Whether a checkpoint was ever renamed into place here (complete or not)."""
+        return any(STEP_DIR.fullmatch(p.name) for p in self.root.glob("step_*"))
 
     def complete(self) -> list[Path]:
         """Checkpoints that were renamed into place, newest first."""
@@ -102,7 +132,7 @@ class CheckpointStore:
         for stale in self.root.glob(".tmp_*"):  # left by a run killed mid-save
             if not stale.name.endswith(f"_{os.getpid()}"):
                 shutil.rmtree(stale, ignore_errors=True)
-        return (self.root / f".tmp_step_{step + 1:08d}_{os.getpid()}").resolve()
+        return (self.root / f".tmp_{step_name(step + 1)}_{os.getpid()}").resolve()
 
     def discard_staged(self) -> None:
         """Remove what this process staged and never saved (a save that failed half-way)."""
@@ -115,9 +145,7 @@ class CheckpointStore:
         for stale in self.root.glob(f".tmp_step_*_{os.getpid()}"):  # staged for a step that never saved
             if stale.name < tmp.name:
                 shutil.rmtree(stale, ignore_errors=True)
-        # named by completed steps, as the run shows them ("step 100/300" → step_00000100);
-        # meta's "step" is the 0-based index of the last step in it
-        final = self.root / f"step_{step + 1:08d}"
+        final = self.path(step)  # meta's "step" is the 0-based index of the last step in it
         try:
             tmp.mkdir(exist_ok=True)
             shards = payload.get("shards")
@@ -145,15 +173,15 @@ class CheckpointStore:
             shutil.rmtree(old, ignore_errors=True)
 
     def load(self, path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``(payload, meta)`` of one checkpoint, or :class:`UnreadableCheckpoint` saying why."""
-        try:
-            meta = json.loads((path / "meta.json").read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise UnreadableCheckpoint(f"meta.json is not readable JSON ({e})") from None
-        if not isinstance(meta, dict) or not isinstance(meta.get("graph"), dict):
-            raise UnreadableCheckpoint("meta.json has no 'graph' mapping (the config the checkpoint belongs to)")
+        """``(payload, meta)`` of one checkpoint, or :class:`UnreadableCheckpoint` saying why.
+
+        The checkpoint proves itself before anything in it is used: its manifest has the shape this
+        flowrl writes, lists every file in the directory and every file the format requires (meta.json,
+        each role's shards for the ranks that wrote them, each in-flight weights file) with matching
+        sizes and checksums, and meta.json's step is the one its directory's name says."""
+        meta = _read_meta(path)
         _check_format(path, meta)
-        _verify(path)
+        _verify(path, meta)
         try:
             workers = {(key.rpartition("/")[0], int(key.rpartition("/")[2])): state
                        for key, state in meta["states"].items()}
@@ -164,6 +192,11 @@ class CheckpointStore:
                    "operator_state": meta.get("operator_state") or {}, "shards": str(path.resolve()),
                    "weights": weights}
         return payload, meta
+
+    def nothing_to_resume(self) -> CheckpointError:
+        """The error of a ``--resume`` that finds no complete checkpoint here."""
+        return CheckpointError(f"no complete checkpoint in {self.root}; nothing to resume (checkpoints are written "
+                               f"every trainer.checkpoint_every steps and at the end of a run; start without --resume)")
 
     def load_latest(
         self,
@@ -178,9 +211,7 @@ class CheckpointStore:
         """
         candidates = self.complete()
         if not candidates:
-            raise CheckpointError(f"no complete checkpoint in {self.root}; nothing to resume "
-                                  f"(checkpoints are written every trainer.checkpoint_every steps and at the "
-                                  f"end of a run; start without --resume)")
+            raise self.nothing_to_resume()
         reasons = []
         for path in candidates:
             try:
@@ -281,19 +312,94 @@ def _checksums(directory: Path) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _verify(path: Path) -> None:
-    """Every file the manifest lists is there with its size and checksum, or the checkpoint is unreadable."""
+def _read_meta(path: Path) -> dict[str, Any]:
+    """meta.json, read within limits (size, nesting), as a mapping with the graph it belongs to."""
+    file = path / "meta.json"
     try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise UnreadableCheckpoint(f"{MANIFEST} is missing or not readable ({type(e).__name__}); the "
-                                   f"checkpoint cannot be verified") from None
+        if file.stat().st_size > META_MAX_BYTES:
+            raise UnreadableCheckpoint(f"meta.json is {file.stat().st_size} bytes, more than any flowrl writes "
+                                       f"({META_MAX_BYTES})")
+        meta = json.loads(file.read_bytes().decode("utf-8"))
+    except UnreadableCheckpoint:
+        raise
+    except OSError as e:
+        raise UnreadableCheckpoint(f"meta.json cannot be read ({e.strerror or e})") from None
+    except RecursionError:
+        raise UnreadableCheckpoint("meta.json is nested deeper than any flowrl writes") from None
+    except ValueError as e:  # not UTF-8, not JSON, a number past Python's digit limit
+        raise UnreadableCheckpoint(f"meta.json is not readable JSON ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("graph"), dict):
+        raise UnreadableCheckpoint("meta.json has no 'graph' mapping (the config the checkpoint belongs to)")
+    return meta
+
+
+def _manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """The manifest's ``files``, refused unless it has exactly the shape :meth:`CheckpointStore.save` writes."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes().decode("utf-8"))
+    except FileNotFoundError:
+        raise UnreadableCheckpoint(f"{MANIFEST} is missing; the checkpoint cannot be verified") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise UnreadableCheckpoint(f"{MANIFEST} is not readable JSON ({type(e).__name__}); the checkpoint "
+                                   f"cannot be verified") from None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("format") != FORMAT:
+        raise UnreadableCheckpoint(f"{MANIFEST} is not a format-{FORMAT} manifest (a mapping with 'format' and "
+                                   f"'files')")
+    for rel, entry in files.items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("bytes"), int)
+                and isinstance(entry.get("sha256"), str) and _HEX64.match(entry["sha256"])):
+            raise UnreadableCheckpoint(f"{MANIFEST}'s entry for {rel!r} is not {{bytes, sha256}}")
+    return files
+
+
+def _required(meta: dict[str, Any], listed: set[str]) -> list[str]:
+    """What the format requires that the manifest does not list: meta.json, the in-flight weights files,
+    and for every role whose state holds tensors, a complete set of shard files (the k-th of N for
+    every k) in each of its directories, at least one directory per role."""
+    missing = [] if "meta.json" in listed else ["meta.json"]
+    for entry in meta.get("weights") or []:
+        if isinstance(entry, dict) and entry.get("file") not in listed:
+            missing.append(str(entry.get("file")))
+    states = meta.get("states")
+    roles = {name for state in (states.values() if isinstance(states, dict) else [])
+             if isinstance(state, dict) and isinstance(state.get("roles"), dict)
+             for name, tree in state["roles"].items() if TENSOR in json.dumps(tree)}
+    shards: dict[str, set[tuple[int, int]]] = {}
+    for rel in listed:
+        parts = rel.split("/")
+        if len(parts) == 3 and parts[0] == ROLES and (m := _SHARD.match(parts[2])):
+            shards.setdefault(parts[1], set()).add((int(m[1]), int(m[3])))
+    for role in sorted(roles):
+        dirs = [d for d in shards if d == role or d.startswith(f"{role}@")]
+        if not dirs:
+            missing.append(f"{ROLES}/{role}/ (no shard)")
+        for d in dirs:
+            counts = {n for _, n in shards[d]}
+            n = max(counts)
+            absent = sorted(set(range(1, n + 1)) - {k for k, _ in shards[d]})
+            if absent or len(counts) > 1:
+                missing.append(f"{ROLES}/{d}/ shard {absent[0] if absent else '?'} of {n}")
+    return missing
+
+
+def _verify(path: Path, meta: dict[str, Any]) -> None:
+    """The checkpoint is what its manifest says and the manifest is all the format needs, or it is unreadable."""
+    files = _manifest(path)
+    on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {MANIFEST}
+    if unlisted := sorted(on_disk - set(files)):
+        raise UnreadableCheckpoint(f"{unlisted[0]} is not in {MANIFEST} ({len(unlisted)} file(s) unlisted)")
+    if missing := _required(meta, set(files)):
+        raise UnreadableCheckpoint(f"{MANIFEST} does not list {missing[0]}, which the checkpoint's format requires")
     for rel, entry in files.items():
         file = path / rel
         if not file.is_file():
             raise UnreadableCheckpoint(f"{rel} is missing (listed in {MANIFEST})")
         if file.stat().st_size != entry["bytes"] or _sha256(file) != entry["sha256"]:
             raise UnreadableCheckpoint(f"{rel} is corrupt (its checksum differs from {MANIFEST})")
+    if meta.get("step") != steps_done(path) - 1:
+        raise UnreadableCheckpoint(f"meta.json says it holds {meta.get('step')!r} + 1 steps, but its directory "
+                                   f"{path.name} holds {steps_done(path)} (a checkpoint moved or copied in)")
 
 
 def _sha256(file: Path) -> str:

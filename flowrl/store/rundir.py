@@ -7,6 +7,8 @@ left by a dead process is taken over, saying so.
 
 A fresh run refuses a directory holding another run's state (metrics or
 checkpoints) unless it resumes that run or is told to overwrite it.
+:meth:`RunDirectory.check` says every such refusal without taking the lock, so
+``flowrl run`` refuses before it waits on Ray or builds a worker.
 
 Example::
 
@@ -27,10 +29,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flowrl.errors import RuntimeFailure
+from flowrl.store.checkpoint import CHECKPOINTS, CheckpointStore
 
 LOCK_NAME = ".flowrl.lock"
 #: what a run writes into its directory (``--overwrite`` removes exactly these)
-RUN_STATE = ("metrics.jsonl", "checkpoints", "config.yaml", "rollouts", "tensorboard", "fingerprints.jsonl")
+RUN_STATE = ("metrics.jsonl", CHECKPOINTS, "config.yaml", "rollouts", "tensorboard", "fingerprints.jsonl")
+
+
+def run_dir_of(config: Any, out: str | Path | None = None) -> Path:
+    """A run's directory: ``out`` when given (``--out``), else the graph's ``trainer.out``, else ``runs/<name>``."""
+    return Path(out or config.trainer.out or f"runs/{config.name}")
 
 
 class RunDirectoryError(RuntimeFailure):
@@ -56,10 +64,7 @@ class RunDirectory:
         except BlockingIOError:
             holder = _describe(_read_holder(fd))
             os.close(fd)
-            raise RunDirectoryError(
-                f"run directory {self.path} is in use by another run ({holder}). Wait for it to finish, "
-                f"stop it, or give this run another directory with --out"
-            ) from None
+            raise self._in_use(holder) from None
         previous = _read_holder(fd)
         if previous:
             self.say(f"taking over the lock of {self.path} left by a run that is gone ({_describe(previous)})")
@@ -94,8 +99,8 @@ class RunDirectory:
         metrics = self.path / "metrics.jsonl"
         if metrics.is_file() and metrics.stat().st_size > 0:
             found.append("metrics.jsonl")
-        if any((self.path / "checkpoints").glob("step_*")):
-            found.append("checkpoints")
+        if CheckpointStore.of_run(self.path).any_saved():
+            found.append(CHECKPOINTS)
         return found
 
     def claim(self, *, resume: bool, overwrite: bool) -> None:
@@ -108,10 +113,34 @@ class RunDirectory:
             self._remove(removed)
             self.say(f"--overwrite: removed the previous run's {', '.join(removed)} from {self.path}")
             return
-        raise RunDirectoryError(
-            f"run directory {self.path} already holds a run ({', '.join(found)}). Continue it with --resume, "
-            f"replace it with --overwrite, or choose another directory with --out"
-        )
+        raise self._holds_a_run(found)
+
+    def check(self, *, resume: bool, overwrite: bool) -> None:
+        """Raise now what :meth:`lock` and :meth:`claim` would refuse (another run holds the directory; another
+        run's state without ``--resume``/``--overwrite``; ``--resume`` with no checkpoint), touching nothing."""
+        lock_path = self.path / LOCK_NAME
+        if lock_path.is_file():
+            fd = os.open(lock_path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise self._in_use(_describe(_read_holder(fd))) from None
+            finally:
+                os.close(fd)  # closing drops a shared lock taken here
+        if resume:
+            store = CheckpointStore.of_run(self.path)
+            if not store.complete():
+                raise store.nothing_to_resume()
+        elif not overwrite and (found := self.existing_state()):
+            raise self._holds_a_run(found)
+
+    def _in_use(self, holder: str) -> RunDirectoryError:
+        return RunDirectoryError(f"run directory {self.path} is in use by another run ({holder}). Wait for it to "
+                                 f"finish, stop it, or give this run another directory with --out")
+
+    def _holds_a_run(self, found: list[str]) -> RunDirectoryError:
+        return RunDirectoryError(f"run directory {self.path} already holds a run ({', '.join(found)}). Continue it "
+                                 f"with --resume, replace it with --overwrite, or choose another directory with --out")
 
     def _remove(self, names: list[str]) -> None:
         for name in names:

@@ -19,6 +19,7 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Callable
+
 from flowrl.errors import ConfigError
 
 
@@ -53,6 +54,17 @@ def read_metrics(path: Path, warn: Callable[[str], None]) -> list[tuple[str, dic
     return out
 
 
+def cut_metrics(path: Path, keep_through: int, warn: Callable[[str], None]) -> None:
+    """Drop the rows of steps after ``keep_through`` (1-based) from a metrics file (a resume: those
+    steps run again, identically), and nothing else."""
+    if not path.is_file():
+        return
+    kept = [line for line, row in read_metrics(path, warn=warn) if row.get("step", 0) <= keep_through]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
 class Sinks:
     """Fan a metrics row out to every open sink."""
 
@@ -78,6 +90,15 @@ class Sinks:
             self.tensorboard.flush()
         if self.wandb_run is not None:
             self.wandb_run.log(scalars, step=step)
+
+    def cut_back(self, keep_through: int, warn: Callable[[str], None]) -> None:
+        """Drop ``metrics.jsonl``'s rows after step ``keep_through`` (1-based; :func:`cut_metrics`) and
+        write on after the rows kept (a rollback)."""
+        self.sync()
+        self.jsonl.close()
+        path = Path(self.jsonl.name)
+        cut_metrics(path, keep_through, warn)
+        self.jsonl = path.open("a")
 
     def sync(self) -> None:
         """Make every row written so far durable (called before a checkpoint is saved)."""

@@ -28,6 +28,7 @@ _HOME = {
     "remax_advantages": "operators.algos.advantages",
     "rloo_advantages": "operators.algos.advantages",
     "tir_optimal_token_baseline_advantages": "operators.algos.advantages",
+    "chunked_token_stats": "operators.algos.functional",
     "entropy_from_logits": "operators.algos.functional",
     "logprobs_from_logits": "operators.algos.functional",
     "masked_mean": "operators.algos.functional",

@@ -45,8 +45,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from flowrl.data.metrics import maximum
-from operators.algos.functional import masked_mean, masked_sum
+from flowrl.data.metrics import Metric, maximum, mean
+from operators.algos.functional import masked_mean, masked_sum, sequence_mean, token_mean
 
 SAFETY_BOUND = 20.0
 Level = Literal["token", "sequence"]
@@ -60,28 +60,29 @@ class RolloutCorrection(NamedTuple):
     weights: torch.Tensor | None
     #: the response mask with MIS's rejected tokens removed (the input mask without MIS)
     response_mask: torch.Tensor
-    metrics: dict[str, float]
+    metrics: dict[str, Metric]
 
 
 def mismatch_metrics(train_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                     threshold: float = 2.0) -> dict[str, float]:
-    """How far the trainer's log-probs are from the sampler's, over the valid tokens."""
+                     threshold: float = 2.0) -> dict[str, Metric]:
+    """How far the trainer's log-probs are from the sampler's: means over the valid tokens (over the
+    sequences with one for ``seq_log_ratio_abs_mean``), maxima, each declared as such."""
     log_ratio = (train_log_prob - rollout_log_prob).detach()
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     outside = safe.abs() > math.log(threshold)
     seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
     has_tokens = response_mask.sum(-1) > 0
     return {
-        "rollout_corr/log_prob_abs_diff": float(masked_mean(log_ratio.abs(), response_mask)),
+        "rollout_corr/log_prob_abs_diff": token_mean(log_ratio.abs(), response_mask),
         "rollout_corr/log_prob_diff_max": maximum(masked_max(log_ratio.abs(), response_mask)),
         # the largest weight π_train/π_rollout uncorrected importance sampling would apply
         "rollout_corr/ratio_max": maximum(masked_max(safe.exp(), response_mask)),
-        "rollout_corr/kl": float(masked_mean(-log_ratio, response_mask)),
-        "rollout_corr/k3_kl": float(masked_mean(safe.exp() - safe - 1, response_mask)),
-        "rollout_corr/chi2_token": float(masked_mean(safe.exp().square(), response_mask) - 1.0),
-        "rollout_corr/seq_log_ratio_abs_mean": float(seq_log_ratio.abs()[has_tokens].mean()) if has_tokens.any()
-        else 0.0,
-        "rollout_corr/frac_outside_threshold": float(masked_mean(outside.float(), response_mask)),
+        "rollout_corr/kl": token_mean(-log_ratio, response_mask),
+        "rollout_corr/k3_kl": token_mean(safe.exp() - safe - 1, response_mask),
+        # E[ρ²] - 1 is linear in the token mean: it reduces as one
+        "rollout_corr/chi2_token": mean(masked_mean(safe.exp().square(), response_mask) - 1.0, response_mask.sum()),
+        "rollout_corr/seq_log_ratio_abs_mean": sequence_mean(seq_log_ratio.abs(), has_tokens),
+        "rollout_corr/frac_outside_threshold": token_mean(outside.float(), response_mask),
     }
 
 
@@ -124,9 +125,9 @@ def rollout_correction(
             weights = raw.clamp(max=is_upper)
         else:  # IcePop: a token (sequence) outside the band gets no weight at all
             weights = torch.where((raw >= is_lower) & (raw <= is_upper), raw, 0.0)
-            metrics["rollout_corr/is_oob_fraction"] = float(masked_mean(
-                ((raw < is_lower) | (raw > is_upper)).float(), response_mask))
-        metrics["rollout_corr/is_weight_mean"] = float(masked_mean(weights, response_mask))
+            metrics["rollout_corr/is_oob_fraction"] = token_mean(((raw < is_lower) | (raw > is_upper)).float(),
+                                                                 response_mask)
+        metrics["rollout_corr/is_weight_mean"] = token_mean(weights, response_mask)
         metrics["rollout_corr/is_weight_max"] = maximum(masked_max(weights, response_mask))
         metrics["rollout_corr/is_raw_weight_max"] = maximum(masked_max(raw, response_mask))
     mask = response_mask
@@ -140,7 +141,7 @@ def rollout_correction(
         ratio = _level_ratio(log_ratio, response_mask, rs_level)
         keep = (ratio >= lower) & (ratio <= upper)
         mask = response_mask * keep.to(response_mask.dtype)
-        metrics["rollout_corr/rs_masked_fraction"] = float(masked_mean((~keep).float(), response_mask))
+        metrics["rollout_corr/rs_masked_fraction"] = token_mean((~keep).float(), response_mask)
     elif rs_level is not None:
         mask, rs_metrics = divergence_rejection(log_ratio, response_mask, rs_level, rs_threshold)
         metrics.update(rs_metrics)
@@ -199,14 +200,14 @@ def parse_rs_thresholds(options: str, spec: float | str) -> dict[str, tuple[floa
 
 
 def divergence_rejection(log_ratio: torch.Tensor, response_mask: torch.Tensor, options: str,
-                         thresholds: float | str) -> tuple[torch.Tensor, dict[str, float]]:
+                         thresholds: float | str) -> tuple[torch.Tensor, dict[str, Metric]]:
     """The response mask without the tokens (sequences) some option rejects, and per-option metrics."""
     safe = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     per_token = {"k1": -safe, "k2": 0.5 * safe.square(), "k3": safe.exp() - 1.0 - safe}
     valid = response_mask.bool()
     has_tokens = valid.any(-1)
     keep_all = torch.ones_like(valid)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, Metric] = {}
     for name, (lower, upper) in parse_rs_thresholds(options, thresholds).items():
         level, kind = name.rsplit("_", 1)
         token_stat = per_token[kind]
@@ -225,13 +226,13 @@ def divergence_rejection(log_ratio: torch.Tensor, response_mask: torch.Tensor, o
         keep_all &= keep
         rejected_rows = (~keep & valid).any(-1)
         prefix = f"rollout_corr/rs_{name}"
-        metrics[f"{prefix}_mean"] = float(masked_mean(stat, response_mask))
+        metrics[f"{prefix}_mean"] = token_mean(stat, response_mask)
         metrics[f"{prefix}_max"] = maximum(masked_max(stat, response_mask))
-        metrics[f"{prefix}_masked_fraction"] = float(masked_mean((~keep).float(), response_mask))
-        metrics[f"{prefix}_seq_masked_fraction"] = float(rejected_rows[has_tokens].float().mean()) \
-            if has_tokens.any() else 0.0
-    metrics["rollout_corr/rs_masked_fraction"] = float(masked_mean((~keep_all).float(), response_mask))
-    metrics["rollout_corr/rs_seq_masked_fraction"] = float((~keep_all & valid).any(-1).float().mean())
+        metrics[f"{prefix}_masked_fraction"] = token_mean((~keep).float(), response_mask)
+        metrics[f"{prefix}_seq_masked_fraction"] = sequence_mean(rejected_rows, has_tokens)
+    metrics["rollout_corr/rs_masked_fraction"] = token_mean((~keep_all).float(), response_mask)
+    # verl's share counts every sequence, an empty one too
+    metrics["rollout_corr/rs_seq_masked_fraction"] = sequence_mean((~keep_all & valid).any(-1))
     return response_mask * keep_all.to(response_mask.dtype), metrics
 
 

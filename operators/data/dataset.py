@@ -195,6 +195,24 @@ def data_sources(path: str | Path) -> dict[str, int]:
     return first
 
 
+def _json_row(path: Path, line_no: int, raw: bytes) -> dict[str, Any]:
+    """One line of a jsonl file as a row, or a :class:`DatasetError` naming the line and what is wrong."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise DatasetError(f"{path}: line {line_no} is not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                           f"{err.start + 1}); save the file as UTF-8") from None
+    try:
+        row = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{path}: line {line_no} is not valid JSON: {err}") from None
+    except (ValueError, RecursionError) as err:  # nested too deep, or an integer past Python's digit limit
+        raise DatasetError(f"{path}: line {line_no} cannot be read as JSON ({type(err).__name__})") from None
+    if not isinstance(row, dict):
+        raise DatasetError(f"{path}: line {line_no} is a JSON {type(row).__name__}, not an object of columns")
+    return row
+
+
 def read_rows(path: str | Path) -> list[dict[str, Any]]:
     """Rows of a ``.parquet`` or ``.jsonl`` file as dicts, after checking the required columns.
 
@@ -213,13 +231,10 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
         columns, rows = table.column_names, table.to_pylist()
     elif suffix in (".jsonl", ".json"):
         rows = []
-        with path.open() as f:
-            for line_no, line in enumerate(f, start=1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as err:
-                        raise DatasetError(f"{path}: line {line_no} is not valid JSON: {err}") from err
+        with path.open("rb") as f:
+            for line_no, raw in enumerate(f, start=1):
+                if raw.strip():
+                    rows.append(_json_row(path, line_no, raw))
         columns = sorted({key for row in rows for key in row})
     else:
         raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")

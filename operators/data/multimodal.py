@@ -84,13 +84,14 @@ def is_multimodal(spec: str) -> bool:
             return IMAGE_KEY in pq.ParquetFile(path).schema_arrow.names
         except Exception:  # noqa: BLE001 - an unreadable file is reported by the loader, with its reason
             return False
-    with path.open() as f:
+    with path.open("rb") as f:  # bytes: a line that is not UTF-8 is the loader's to name, with its line
         for line in f:
             if line.strip():
                 try:
-                    return IMAGE_KEY in json.loads(line)
-                except ValueError:
+                    row = json.loads(line.decode("utf-8"))
+                except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
                     return False
+                return isinstance(row, dict) and IMAGE_KEY in row
     return False
 
 

@@ -1,4 +1,4 @@
-"""Models, tokenizers and optimizers: ``builtin:tiny`` or a local HF directory through one loader.
+"""Models, tokenizers and optimizers: ``builtin:tiny``, a local HF directory or a GGUF file through one loader.
 
 Example::
 
@@ -12,7 +12,10 @@ from flowrl.data.lazy import lazy_exports
 #: where each public name lives: imported on first use (the CLI loads operators without torch's weight)
 _HOME = {
     "BUILTIN_MODELS": "operators.models.loading",
-    "ModelLoadError": "operators.models.loading",
+    "ModelLoadError": "operators.models.errors",
+    "GGUF_BUILTINS": "operators.models.gguf",
+    "gguf_model_dir": "operators.models.gguf",
+    "is_gguf_spec": "operators.models.gguf",
     "check_model_spec": "operators.models.loading",
     "load_model": "operators.models.loading",
     "load_tokenizer": "operators.models.loading",

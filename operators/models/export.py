@@ -16,7 +16,7 @@ flowrl's.
 
 Example::
 
-    state, meta, path = CheckpointStore("runs/grpo/checkpoints").read_role("actor", step=100)
+    state, meta, path = CheckpointStore.of_run("runs/grpo").read_role("actor", step=100)
     export_hf(state["model"], meta["graph"], "exported/grpo-step100", role="actor")
 """
 

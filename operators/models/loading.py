@@ -1,10 +1,12 @@
-"""One way in for every model: ``builtin:tiny`` or a local Hugging Face directory.
+"""One way in for every model: ``builtin:tiny``, a local Hugging Face directory, or a GGUF file.
 
 ``load_model(spec, head=...)`` returns ``(model, tokenizer)`` for the policy
 (``head="causal_lm"``), the critic (``"value"``: :class:`ValueModel`) or a reward
 model (``"reward"``: a sequence classifier with one label). Nothing is
-downloaded: a spec that is neither a builtin nor an existing directory is an
-error that names the path.
+downloaded: a spec that is neither a builtin, an existing directory nor a GGUF
+file is an error that names the path. A GGUF file (``builtin:smollm2-135m``,
+``pkg:<package>/<file>``, a ``.gguf`` path: :mod:`operators.models.gguf`) is
+converted once into a cached Hugging Face directory, which every loader reads.
 
 Example::
 
@@ -25,7 +27,8 @@ from typing import TYPE_CHECKING, Literal, Union
 import torch
 from tokenizers import Tokenizer
 
-from flowrl.errors import ConfigError
+from operators.models.errors import ModelLoadError
+from operators.models.gguf import GGUF_BUILTINS, check_gguf_spec, converted_dir, gguf_model_dir, is_gguf_spec
 from operators.models.hf import hf
 from operators.models.tiny import build_tiny_model, build_tiny_tokenizer, tiny_config, tiny_core_tokenizer
 from operators.models.tiny_tools import (build_tiny_tools_model, build_tiny_tools_tokenizer, tiny_tools_config,
@@ -41,17 +44,16 @@ if TYPE_CHECKING:
 Head = Literal["causal_lm", "value", "reward"]
 DType = Union[str, torch.dtype]
 
-BUILTIN_MODELS = ("builtin:tiny", "builtin:tiny-tools", "builtin:tiny-vl")
+#: the builtin models built locally from code
+LOCAL_BUILTINS = ("builtin:tiny", "builtin:tiny-tools", "builtin:tiny-vl")
+#: every builtin model: those built locally and the pretrained ones that come as a package's GGUF file
+BUILTIN_MODELS = (*LOCAL_BUILTINS, *GGUF_BUILTINS)
 
 _DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16,
 }
-
-
-class ModelLoadError(ConfigError, ValueError):
-    """A model spec could not be turned into a model: says which spec and why."""
 
 
 def resolve_dtype(dtype: DType) -> torch.dtype:
@@ -71,6 +73,9 @@ def resolve_dtype(dtype: DType) -> torch.dtype:
 
 
 def _check_dir(spec: str) -> Path:
+    """The Hugging Face directory of ``spec``: a GGUF file's converted one (converted now if it never was)."""
+    if is_gguf_spec(spec):
+        return gguf_model_dir(spec)
     if spec.startswith("builtin:"):
         raise ModelLoadError(
             f"model {spec!r}: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}"
@@ -78,8 +83,8 @@ def _check_dir(spec: str) -> Path:
     path = Path(spec).expanduser()
     if not path.exists():
         raise ModelLoadError(
-            f"model {spec!r}: no such directory ({path.resolve()}). Pass 'builtin:tiny' or the "
-            "path of a local Hugging Face model directory (nothing is downloaded)."
+            f"model {spec!r}: no such directory ({path.resolve()}). Pass 'builtin:tiny', the "
+            "path of a local Hugging Face model directory or of a .gguf file (nothing is downloaded)."
         )
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ModelLoadError(
@@ -100,8 +105,9 @@ WEIGHT_GLOBS = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin
 def check_model_spec(spec: str) -> None:
     """Raise :class:`ModelLoadError` unless ``spec`` is a builtin model or a local Hugging Face
     directory with weights, a tokenizer and a ``config.json`` that transformers loads — cheap enough for
-    ``flowrl validate`` (no weights read; transformers is imported only for a directory)."""
-    if spec.startswith("builtin:"):
+    ``flowrl validate`` (no weights read; transformers is imported only for a directory). A GGUF file is
+    checked to exist with what reads it installed, not converted."""
+    if spec.startswith("builtin:") or is_gguf_spec(spec):
         check_tokenizer_spec(spec)
         return
     path = _check_dir(spec)
@@ -127,6 +133,9 @@ def check_model_spec(spec: str) -> None:
 
 def check_tokenizer_spec(spec: str) -> None:
     """Raise :class:`ModelLoadError` unless :func:`load_tokenizer` would find a tokenizer for ``spec``."""
+    if is_gguf_spec(spec):
+        check_gguf_spec(spec)  # a GGUF file carries its tokenizer
+        return
     if spec.startswith("builtin:"):
         if spec not in BUILTIN_MODELS:
             raise ModelLoadError(f"model {spec!r}: unknown builtin model; available: {', '.join(BUILTIN_MODELS)}")
@@ -139,9 +148,16 @@ def check_tokenizer_spec(spec: str) -> None:
 
 def has_chat_template(spec: str) -> bool:
     """Whether the tokenizer of ``spec`` (builtin or a checked directory) carries a chat template, read
-    from its files: ``chat_template.jinja``/``.json`` or ``tokenizer_config.json``'s ``chat_template``."""
-    if spec in BUILTIN_MODELS:
+    from its files: ``chat_template.jinja``/``.json`` or ``tokenizer_config.json``'s ``chat_template``.
+    A GGUF file not converted yet is taken at its word (reading its metadata takes seconds): the run's
+    prompt formatting names a missing template."""
+    if spec in LOCAL_BUILTINS:
         return True
+    if is_gguf_spec(spec):
+        converted = converted_dir(spec)
+        if converted is None:
+            return True
+        spec = str(converted)
     path = Path(spec).expanduser()
     if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
         return True
@@ -163,6 +179,11 @@ def vocabulary(spec: str) -> Tokenizer | None:
         return tiny_tools_core_tokenizer()
     if spec == "builtin:tiny-vl":
         return tiny_vl_core_tokenizer()
+    if is_gguf_spec(spec):
+        converted = converted_dir(spec)
+        if converted is None:
+            return None  # a pretrained tokenizer's byte-level vocabulary reads every word anyway
+        spec = str(converted)
     path = Path(spec).expanduser() / "tokenizer.json"
     try:
         return Tokenizer.from_file(str(path)) if path.is_file() else None
@@ -204,12 +225,13 @@ def load_model(
     seed: int = 0,
     device: str | torch.device = "cpu",
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
-    """Load ``(model, tokenizer)`` from ``builtin:tiny`` or a local HF directory.
+    """Load ``(model, tokenizer)`` from ``builtin:tiny``, a local HF directory or a GGUF file.
 
     ``head``: ``"causal_lm"`` (the policy), ``"value"`` (a :class:`ValueModel`:
     the backbone plus a value head; the head is loaded from
     ``value_head.safetensors`` when the directory has one, else initialised from
-    ``seed``) or ``"reward"`` (a one-label sequence classifier). ``seed`` fixes
+    ``seed``) or ``"reward"`` (a one-label sequence classifier). A GGUF file's weights
+    come dequantized to fp32 (then cast to ``dtype``). ``seed`` fixes
     the initial weights of ``builtin:tiny`` and of any new head; the global RNG
     is not touched.
 
@@ -221,7 +243,7 @@ def load_model(
     """
     torch_dtype = resolve_dtype(dtype)
     tokenizer = load_tokenizer(spec)
-    if spec in BUILTIN_MODELS:
+    if spec in LOCAL_BUILTINS:
         model = _build_tiny(spec, head, seed)
     else:
         model = _load_dir(_check_dir(spec), spec, head, seed, torch_dtype)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 class OptimConfig(BaseModel):
     """What a role's ``optim:`` block may say. Unknown keys are an error."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     lr: float = Field(1e-4, gt=0)
     betas: tuple[float, float] = (0.9, 0.999)

@@ -1,7 +1,8 @@
 """Score a batch of responses with a rule or user function, and place scores on tokens.
 
 ``fn`` names the reward: ``"auto"`` (by ``data_source``: ``builtin:*`` → the
-task's token reward, anything containing ``gsm8k`` → :func:`gsm8k_score`),
+task's token reward, anything containing ``gsm8k`` → :func:`gsm8k_score`,
+``reasoning_gym:<task>`` → the task's own verifier, ``"reasoning_gym"`` by name),
 ``"task"`` (or a builtin task's name: ``"copy"``, ``"add"``...), ``"task_eos"`` (the
 same with the stop scored: EOS is one more target token), ``"gsm8k"``,
 ``"exact"``, ``"partial"``, or an import path ``"pkg.mod:fn"`` /
@@ -45,6 +46,7 @@ from operators.rewards.rule import (
     task_eos_score,
     task_token_score,
 )
+from operators.rewards.reasoning import compute_score as reasoning_gym_score
 from operators.rewards.user_fn import RewardFnError, load_reward_fn, split_score
 
 # type hints only: declaring operators (``flowrl validate``) does not import transformers
@@ -58,6 +60,7 @@ NAMED_REWARDS: dict[str, Callable[..., Any]] = {
     "gsm8k": gsm8k_score,
     "exact": exact_match_score,
     "partial": partial_match_score,
+    "reasoning_gym": reasoning_gym_score,   # the task named by each row's data_source, its own verifier
 }
 #: the rewards that match a builtin task's answer tokens (what a free-form answer scores near zero on)
 TASK_REWARDS = frozenset(name for name, fn in NAMED_REWARDS.items() if fn in (task_token_score, task_eos_score))
@@ -85,6 +88,8 @@ def auto_reward_fn(data_source: str) -> Callable[..., Any]:
         return task_token_score
     if "gsm8k" in data_source.lower():
         return gsm8k_score
+    if data_source.startswith("reasoning_gym:"):
+        return reasoning_gym_score
     raise ValueError(
         f"no builtin rule reward for data_source {data_source!r}; pass fn='exact', 'partial' "
         "or your own 'pkg.module:compute_score'"

@@ -46,7 +46,7 @@ from operators.rollout.conversation import (
 )
 from operators.rollout.base import SamplingParams, sample_seeds
 from operators.rollout.envs import Environment
-from operators.rollout.ops import SEQUENCE_FIELDS, unshard_metrics
+from operators.rollout.ops import RESPONSE_LENGTHS, SEQUENCE_FIELDS, length_metrics, unshard_metrics
 from operators.rollout.tool_parsers import get_parser
 from operators.rollout.tools import ToolConfigError, build_tools, import_object
 
@@ -123,6 +123,8 @@ def _row_kwargs(extra_info: Any, key: str) -> dict:
              "finish_reason": "object[B]"},
     aux_outputs=("rollout_log_probs", "weight_version", "messages", "finish_reason"),
     val_params={"greedy": True}, dumped=("prompts", "responses", "weight_version"),
+    token_mask="response_mask",
+    headline=(RESPONSE_LENGTHS.mean,), tokens=RESPONSE_LENGTHS,
 )
 def multi_turn(actor, batch, p: MultiTurn):
     """n conversations per prompt with tools / an environment; the mask keeps only what the model sampled."""
@@ -158,9 +160,7 @@ def multi_turn(actor, batch, p: MultiTurn):
     with actor.full_weights():
         trajectories = [t for rollout in run_rollouts(generator, work) for t in rollout]
     out = trajectory_tensors(trajectories, p.max_response_length, tokenizer.pad_token_id, batch["prompts"].shape[1])
-    lengths = out["response_mask"].sum(-1).float()
-    metrics = {**rollout_metrics(trajectories), "response_length/mean": lengths.mean(),
-               "response_length/max": maximum(lengths.max()), **unshard_metrics(actor)}
+    metrics = {**rollout_metrics(trajectories), **length_metrics(out["response_mask"]), **unshard_metrics(actor)}
     return {
         **{k: out[k] for k in SEQUENCE_FIELDS}, "rollout_log_probs": out["rollout_log_probs"],
         "weight_version": torch.full((len(trajectories),), actor.version, dtype=torch.int64),
@@ -194,6 +194,8 @@ def outcome_fn(fn: str, data_source: str):
     inputs={"response_mask": "int64[B, R]", "answer": "object[B]", "tool_reward": "float32[B]",
             "data_source": "object[B]", "ground_truth": "object[B]", "extra_info": "object[B]"},
     outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),
+    token_mask="response_mask",
+    headline=("reward/mean",),
 )
 def agent_reward(batch, p: AgentReward):
     """score = fn(final answer, ground truth) + w · (tool + environment rewards), on the last sampled token."""

@@ -43,7 +43,7 @@ class SamplingParams(BaseModel):
         1.0
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     n: int = Field(1, ge=1)
     max_new_tokens: int = Field(16, ge=1)

@@ -20,6 +20,7 @@ from pydantic import Field
 from flowrl.errors import RunError
 from flowrl.data.metrics import mean, total
 from flowrl.graph import Params
+from flowrl.graph.timeouts import TOOL_CALL_S
 from operators.data.dataset import left_pad, position_ids_from_mask
 from operators.rollout.base import derive_seed
 
@@ -55,7 +56,7 @@ class AgentConfig(Params):
     max_parallel_calls: int = Field(1, ge=1, description="calls executed per assistant turn")
     max_tool_response_length: int = Field(256, ge=1, description="characters of a tool response kept")
     tool_response_truncate_side: Literal["left", "right", "middle"] = "right"
-    tool_timeout_s: float = Field(10.0, gt=0, description="one tool call's or environment step's limit")
+    tool_timeout_s: float = Field(TOOL_CALL_S, gt=0, description="one tool call's or environment step's limit")
     tool_retries: int = Field(0, ge=0, description="extra tries of a tool call that raised or timed out")
     tool_retry_backoff_s: float = Field(0.0, ge=0, description="wait before a retry, doubled at each")
     max_tool_errors: int | None = Field(None, ge=1, description="failed calls that end the conversation")

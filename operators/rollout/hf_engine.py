@@ -265,7 +265,7 @@ class HFRolloutEngine(RolloutEngine):
 class HFOptions(BaseModel):
     """Options of the ``hf`` engine (``rollout.drop_finished`` is passed as one)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     drop_finished: bool = True
 
 

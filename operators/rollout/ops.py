@@ -9,7 +9,7 @@ import torch
 from pydantic import Field
 
 from flowrl.data.metrics import maximum
-from flowrl.graph import Params, operator
+from flowrl.graph import Params, TokenMetrics, operator
 from flowrl.graph.checks import ParameterError, graph_check
 from operators.models.vision import VISION_FIELDS, vision_inputs
 from operators.rollout.base import SamplingParams
@@ -34,6 +34,16 @@ SEQUENCE_FIELDS = {
 }
 
 
+#: a generation's response lengths in tokens (a mean over its rows, and the longest)
+RESPONSE_LENGTHS = TokenMetrics(mean="response_length/mean", max="response_length/max")
+
+
+def length_metrics(response_mask: torch.Tensor) -> dict[str, float]:
+    """The response lengths of a generation's rows, as :data:`RESPONSE_LENGTHS` names them."""
+    lengths = response_mask.sum(-1).float()
+    return {RESPONSE_LENGTHS.mean: lengths.mean(), RESPONSE_LENGTHS.max: maximum(lengths.max())}
+
+
 @operator(
     "rollout.generate", role="actor", scope="row", expands="n", cost=3.0, node_name="generate",
     inputs={"prompts": "int64[B, P]", "prompt_mask": "int64[B, P]", "uid": "object[B]", **VISION_FIELDS},
@@ -43,6 +53,8 @@ SEQUENCE_FIELDS = {
     # sequences and log-probs it also writes are by-products, not a wiring mistake
     aux_outputs=("input_ids", "attention_mask", "position_ids", "rollout_log_probs", "weight_version"),
     val_params={"greedy": True}, dumped=("prompts", "responses", "weight_version"),
+    token_mask="response_mask",
+    headline=(RESPONSE_LENGTHS.mean,), tokens=RESPONSE_LENGTHS,
 )
 def generate(actor, batch, p: Generate):
     """Sample ``n`` responses per prompt; ``weight_version`` records the policy that made each one.
@@ -58,10 +70,8 @@ def generate(actor, batch, p: Generate):
                          f"take them; use rollout engine 'hf'")
     out = actor.engine.generate(batch["prompts"], batch["prompt_mask"], sampling, seeds=actor.sampling_seeds(batch),
                                 **images)
-    lengths = out["response_mask"].sum(-1).float()
-    version = torch.full((len(lengths),), actor.version, dtype=torch.int64)
-    metrics = {"response_length/mean": lengths.mean(), "response_length/max": maximum(lengths.max()),
-               **unshard_metrics(actor)}
+    version = torch.full((len(out["response_mask"]),), actor.version, dtype=torch.int64)
+    metrics = {**length_metrics(out["response_mask"]), **unshard_metrics(actor)}
     return (
         {**{k: out[k] for k in SEQUENCE_FIELDS}, "rollout_log_probs": out["rollout_log_probs"],
          "weight_version": version},

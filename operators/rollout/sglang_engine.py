@@ -153,7 +153,7 @@ class SGLangRolloutEngine(RolloutEngine):
 class SGLangOptions(BaseModel):
     """Options of the ``sglang`` engine: keyword arguments of ``sglang.Engine``, which checks them."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
 
 @register_rollout_engine("sglang", SGLangOptions)

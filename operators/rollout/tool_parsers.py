@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import abc
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -124,14 +123,18 @@ class HermesToolParser(ToolParser):
     open_tag, close_tag = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
+        # one forward scan with str.find: a regex's lazy ``(.*?)</tool_call>`` retried from every
+        # unclosed open tag is quadratic (8,000 of them took 21.7 s and stalled the event loop)
         calls: list[ToolCall] = []
         errors: list[ToolCallError] = []
-        pattern = re.compile(re.escape(self.open_tag) + r"(.*?)" + re.escape(self.close_tag), re.DOTALL)
-        end = 0
-        for match in pattern.finditer(text):
-            result = call_from_json(match.group(1).strip())
+        pos = 0
+        while (start := text.find(self.open_tag, pos)) >= 0:
+            body = start + len(self.open_tag)
+            end = text.find(self.close_tag, body)
+            if end < 0:  # no close after this tag, so none after any later one either
+                errors.append(ToolCallError("unclosed_tag", f"a {self.open_tag} was never closed with {self.close_tag}"))
+                break
+            result = call_from_json(text[body:end].strip())
             (calls if isinstance(result, ToolCall) else errors).append(result)
-            end = match.end()
-        if self.open_tag in text[end:]:
-            errors.append(ToolCallError("unclosed_tag", f"a {self.open_tag} was never closed with {self.close_tag}"))
+            pos = end + len(self.close_tag)
         return calls, errors

@@ -326,10 +326,10 @@ class ToolSchema(BaseModel):
     ``tool_schema.model_dump()``); flowrl's own tools take the plain mapping.
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     class Function(BaseModel):
-        model_config = ConfigDict(extra="allow")
+        model_config = ConfigDict(extra="allow", allow_inf_nan=False)
         name: str
         description: str = ""
         parameters: dict[str, Any] = {"type": "object", "properties": {}, "required": []}

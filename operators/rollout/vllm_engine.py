@@ -62,6 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from flowrl.errors import RunError
 from flowrl.data.expand import expand_rows
+from flowrl.data.metrics import maximum, mean
 from operators.models.fsdp import full_tensor
 from operators.rollout.base import (RolloutEngine, SamplingParams, call_seeds, pad_responses, rollout_output,
                                    sample_seeds)
@@ -92,7 +93,7 @@ class VLLMOptions(BaseModel):
         True
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     dtype: Literal["float32", "fp32", "bfloat16", "bf16", "float16", "fp16"] | None = Field(
         None, description="the engine's dtype; none: the model's")
@@ -556,8 +557,8 @@ class VLLMRolloutEngine(RolloutEngine):
             fp32 = next(model.parameters()).dtype == torch.float32 and self.dtype == "float32"
             atol, rtol = (1e-3, 0.0) if fp32 else (0.1, 2.0 ** -4)
         bound = atol + rtol * spread
-        metrics = {"rollout/weight_check_max_diff": float(diff.max()),
-                   "rollout/weight_check_mean_diff": float(diff.mean())}
+        metrics = {"rollout/weight_check_max_diff": maximum(diff.max()),
+                   "rollout/weight_check_mean_diff": mean(diff.mean(), diff.numel())}  # over the probe's tokens
         if not bool((diff <= bound).all()):
             worst = int((diff - bound).argmax())
             raise WeightSyncError(

@@ -15,9 +15,12 @@ class LengthPenalty(Params):
     outputs={"token_level_rewards": "float32[B, R]"},
     params=LengthPenalty,
     node_name="length_penalty",
+    headline=("reward/length_penalty",),  # the live view shows it
 )
 def length_penalty(batch, p: LengthPenalty):
     mask = batch["response_mask"].float()
     length = mask.sum(-1, keepdim=True)
     last = mask * (mask.cumsum(-1) == length).float()  # the last valid token of each row
-    return {"token_level_rewards": batch["token_level_scores"] - p.coef * length * last}
+    penalty = p.coef * length
+    return {"token_level_rewards": batch["token_level_scores"] - penalty * last}, {
+        "reward/length_penalty": penalty.mean()}

@@ -1,0 +1,168 @@
+"""reasoning-gym's procedural tasks as prompts in verl's schema: the source ``reasoning_gym:<task>``.
+
+Any of reasoning-gym's tasks (``chain_sum``, ``basic_arithmetic``, ``countdown``, ``letter_counting``...)
+with its own options (``reasoning_gym.create_dataset(task, **config)``) becomes rows in verl's schema:
+
+- ``prompt``: one user message, the task's question then :data:`ANSWER_INSTRUCTION`, which asks for the
+  final answer between ``<answer>`` and ``</answer>`` (reasoning-gym's own convention; the reward reads
+  the last such span, so a model may think before it);
+- ``data_source``: ``"reasoning_gym:<task>"``, which ``fn: auto`` scores with the task's own verifier
+  (:mod:`operators.rewards.reasoning`);
+- ``reward_model``: ``{"style": "rule", "ground_truth": <the task's answer>}``;
+- ``extra_info``: ``index``, ``split``, and what the verifier needs besides the answer: the
+  ``question``, the task's ``metadata`` and ``config``, and ``format_score`` (what a parseable but
+  wrong answer earns).
+
+Rows are generated on demand from the seed (a task may take 100 ms a row). The held-out split never
+repeats a training question: a question belongs to the held-out split when the digest of its text falls
+in one of :data:`HELD_OUT_BUCKETS` buckets, so ``split="train"`` skips such questions and
+``split="val"`` keeps only them (reasoning-gym seeds row ``i`` with ``seed + i``, so two seeds alone
+would share most of their rows). Row ``i`` of a split is the first candidate in the stream keyed by
+``(seed, split, i)`` that belongs to it.
+
+Example::
+
+    >>> rows = ReasoningGymRows("chain_sum", {"max_terms": 3}, seed=0, size=100)        # doctest: +SKIP
+    >>> rows[0]["data_source"], rows[0]["reward_model"]["ground_truth"]                  # doctest: +SKIP
+    ('reasoning_gym:chain_sum', '-4')
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import json
+from functools import lru_cache
+from typing import Any, Literal, Mapping, Sequence
+
+from flowrl.errors import ConfigError
+
+PREFIX = "reasoning_gym:"
+ANSWER_INSTRUCTION = "Give only your final answer between <answer> and </answer> tags."
+#: one bucket of this many holds the held-out questions (a sixteenth of the task's questions)
+HELD_OUT_BUCKETS = 16
+#: candidates a row tries before its task is declared unable to fill the split (a held-out row
+#: misses 255 times in a row with probability (15/16)^256 ≈ 7e-8)
+MAX_ATTEMPTS = 256
+#: options flowrl sets itself: the seed and the number of rows
+OWN_OPTIONS = ("seed", "size")
+INSTALL = 'pip install torch==2.13.0 -e ".[models]" (or pip install reasoning-gym==0.1.25)'
+
+Split = Literal["train", "val"]
+
+
+class ReasoningTaskError(ConfigError, ValueError):
+    """A reasoning-gym task that cannot be made: an unknown name, a bad option, the package missing."""
+
+
+def gym() -> Any:
+    """The ``reasoning_gym`` package (imported on first use: it takes seconds)."""
+    try:
+        return importlib.import_module("reasoning_gym")
+    except ImportError:
+        raise ReasoningTaskError(f"the source {PREFIX}<task> needs the reasoning-gym package; install it with "
+                                 f"{INSTALL}") from None
+
+
+def task_names() -> list[str]:
+    """Every task reasoning-gym registers, sorted."""
+    gym()
+    return sorted(importlib.import_module("reasoning_gym.factory").DATASETS)
+
+
+def task_of(source: str) -> str:
+    """``"chain_sum"`` of ``"reasoning_gym:chain_sum"``."""
+    return source.removeprefix(PREFIX)
+
+
+def check_task(task: str, config: Mapping[str, Any]) -> None:
+    """Raise :class:`ReasoningTaskError` unless reasoning-gym knows ``task`` and takes ``config``: an
+    unknown name lists the close ones, a bad option names it and reasoning-gym's reason."""
+    names = task_names()
+    if task not in names:
+        close = difflib.get_close_matches(task, names, n=4, cutoff=0.5)
+        hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+        raise ReasoningTaskError(f"unknown reasoning-gym task {task!r}; {hint}there are {len(names)}: "
+                                 f"{', '.join(names[:12])}, ...")
+    if own := [key for key in OWN_OPTIONS if key in config]:
+        raise ReasoningTaskError(f"reasoning-gym task {task!r}: {own[0]!r} is flowrl's to set (trainer.seed, "
+                                 f"data.task_size and data.val_size); leave it out of data.config")
+    task_dataset(task, json.dumps(dict(config), sort_keys=True), 0, 1)
+
+
+@lru_cache(maxsize=16)
+def task_dataset(task: str, config_json: str, seed: int, size: int) -> Any:
+    config = json.loads(config_json)
+    try:
+        return gym().create_dataset(task, **config, seed=seed, size=size)
+    except TypeError as err:  # an option the task's config class does not have
+        fields = importlib.import_module("reasoning_gym.factory").DATASETS[task][1].__dataclass_fields__
+        known = ", ".join(f for f in fields if f not in OWN_OPTIONS)
+        raise ReasoningTaskError(f"reasoning-gym task {task!r}: {err}; its options are {known}") from None
+    except (AssertionError, ValueError) as err:  # the config class's own validate()
+        raise ReasoningTaskError(f"reasoning-gym task {task!r}: config {config} is refused: {err}") from None
+
+
+def held_out(question: str) -> bool:
+    """Whether ``question`` belongs to the held-out split: a pure function of its text."""
+    return int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big") % HELD_OUT_BUCKETS == 0
+
+
+def _stream_seed(seed: int, split: Split) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{split}".encode()).digest()[:4], "big")
+
+
+class ReasoningGymRows(Sequence[dict]):
+    """``size`` rows of a reasoning-gym task in verl's schema (see the module doc), generated on demand;
+    row ``i`` depends only on ``(task, config, seed, split, i)``."""
+
+    def __init__(self, task: str, config: Mapping[str, Any] | None = None, *, seed: int = 0, size: int = 1000,
+                 split: Split = "train", format_score: float = 0.0):
+        if size <= 0:
+            raise ValueError(f"task size must be positive, got {size}")
+        self.task, self.config = task, dict(config or {})
+        check_task(task, self.config)
+        self.size, self.split, self.format_score = size, split, format_score
+        self._data = task_dataset(task, json.dumps(self.config, sort_keys=True), _stream_seed(seed, split), size)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
+        if not -self.size <= i < self.size:
+            raise IndexError(f"row {i} out of range for a task of {self.size} rows")
+        return self._row(i % self.size)
+
+    @lru_cache(maxsize=4096)  # a row is read to tokenize it and again to batch it
+    def _row(self, i: int) -> dict[str, Any]:
+        entry = self._entry(i)
+        return {
+            "prompt": [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"}],
+            "data_source": f"{PREFIX}{self.task}",
+            "reward_model": {"style": "rule", "ground_truth": str(entry["answer"])},
+            "extra_info": {"index": i, "split": self.split, "question": entry["question"],
+                           "metadata": entry.get("metadata", {}), "config": self.config,
+                           "format_score": self.format_score},
+        }
+
+    def _entry(self, i: int) -> Mapping[str, Any]:
+        want_held_out = self.split == "val"
+        for attempt in range(MAX_ATTEMPTS):
+            try:
+                entry = self._data[i + attempt * self.size]
+            except IndexError:  # a task whose rows are a fixed list: no candidate past its size
+                break
+            if held_out(entry["question"]) == want_held_out:
+                return entry
+        raise ReasoningTaskError(
+            f"reasoning-gym task {self.task!r} with config {self.config}: row {i} of the {self.split} split found "
+            f"no question of its own in {MAX_ATTEMPTS} tries; the task's questions are too few to hold some "
+            f"out (widen its config)")
+
+
+def sample_rows(task: str, config: Mapping[str, Any], *, seed: int, size: int, split: Split,
+                sample: int = 4) -> list[dict[str, Any]]:
+    """The first ``sample`` rows: what ``flowrl validate`` reads to check the prompts against a tokenizer."""
+    rows = ReasoningGymRows(task, config, seed=seed, size=size, split=split)
+    return [rows[i] for i in range(min(sample, size))]

