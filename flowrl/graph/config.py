@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flowrl.errors import ConfigError
-from flowrl.graph.timeouts import COLLECTIVE_S, TASK_S
+from flowrl.timeouts import COLLECTIVE_S, TASK_S
 
 #: keys of a node that are not operator parameters
 NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost", "on_error")

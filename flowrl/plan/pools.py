@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowrl.graph import REGISTRY, Graph
-from flowrl.graph.timeouts import COLLECTIVE_S
+from flowrl.timeouts import COLLECTIVE_S
 
 #: the pseudo-pool of stateless nodes that run on the driver
 DRIVER = "driver"

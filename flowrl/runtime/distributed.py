@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from flowrl.errors import RuntimeFailure
-from flowrl.graph.timeouts import COLLECTIVE_S, DIAGNOSE_S, GROUP_JOIN_S
+from flowrl.timeouts import COLLECTIVE_S, DIAGNOSE_S, GROUP_JOIN_S
 from flowrl.runtime.hangs import collective_line
 
 #: gloo between CPU tensors, NCCL between CUDA tensors

@@ -32,7 +32,7 @@ from typing import Callable
 
 from flowrl.errors import NodeTimeoutError
 
-from flowrl.graph.timeouts import STACKS_S as STACKS_TIMEOUT_S  # how long the driver waits for a worker's stacks
+from flowrl.timeouts import STACKS_S as STACKS_TIMEOUT_S  # how long the driver waits for a worker's stacks
 
 #: the frames of a stack kept (innermost): enough to see the operator under the runtime
 MAX_FRAMES = 40

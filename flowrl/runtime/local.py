@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from flowrl.runtime.backend import Backend, Supervisor, backend
-from flowrl.graph.timeouts import THREAD_EXIT_S
+from flowrl.timeouts import THREAD_EXIT_S
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, thread_stacks
 from flowrl.plan.pools import DRIVER, PoolSpec
 from flowrl.plan.traits import LOCAL

@@ -17,7 +17,7 @@ from typing import Any
 from flowrl.runtime import ray_start
 from flowrl.runtime.backend import Backend, Supervisor, backend, describe_death
 from flowrl.errors import PlacementError, RuntimeFailure
-from flowrl.graph.timeouts import PLACEMENT_S
+from flowrl.timeouts import PLACEMENT_S
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
 from flowrl.plan.pools import DRIVER, PoolSpec
 from flowrl.store.runlog import log_offset, warning_notes

@@ -37,7 +37,7 @@ import time
 from typing import Any
 
 from flowrl.errors import PlacementError, RunError
-from flowrl.graph.timeouts import RAY_REACH_S
+from flowrl.timeouts import RAY_REACH_S
 from flowrl.runtime.startup import Span
 from flowrl.plan.traits import RAY
 

@@ -27,7 +27,7 @@ from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import RowKeys, get_mode
 from flowrl.data.expand import RowCountError, check_rows
 from flowrl.graph import OperatorSpec, Params, Role, Stateful
-from flowrl.graph.timeouts import COLLECTIVE_S
+from flowrl.timeouts import COLLECTIVE_S
 from flowrl.store.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
 from flowrl.errors import NodeError, RefillNeeded, RunError, StalenessError

@@ -20,7 +20,7 @@ from pydantic import Field
 from flowrl.errors import RunError
 from flowrl.data.metrics import mean, total
 from flowrl.graph import Params
-from flowrl.graph.timeouts import TOOL_CALL_S
+from flowrl.timeouts import TOOL_CALL_S
 from operators.data.dataset import left_pad, position_ids_from_mask
 from operators.rollout.base import derive_seed
 

@@ -8,7 +8,7 @@ quote are the ones that apply.
 
 Example::
 
-    from flowrl.graph.timeouts import COLLECTIVE_S
+    from flowrl.timeouts import COLLECTIVE_S
     group = PoolGroup.form(address, rank, world, "train", timeout_s=COLLECTIVE_S)
 """
 
