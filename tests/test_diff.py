@@ -87,4 +87,5 @@ def test_the_default_job_at_one_and_two_workers_parts_at_the_sharded_update(ray_
     assert (f["node"], f["field"]) in {("update_actor", "weights"), ("generate", "rollout_log_probs")}
     assert report["graph_differences"] == [] and report["parameter_differences"] == []
     assert {s["node"] for s in report["spread"]} >= {"generate"}
-    assert all(m["relative"] < 1e-3 for m in f["metrics"])  # rounding, not a different computation
+    # rounding, not a different computation: close relatively, or (a KL near zero) absolutely
+    assert all(m["relative"] < 1e-3 or abs(m["a"] - m["b"]) < 1e-6 for m in f["metrics"]), f["metrics"]
