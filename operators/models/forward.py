@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from operators.algos import functional
 from operators.algos.functional import chunked_token_stats
 from operators.models.fsdp import is_dtensor
 from operators.models.vision import VisionInputs, rope_positions, without_vision_tokens
@@ -84,9 +85,12 @@ def response_log_probs_and_sum_pi_squared(
 def _response_stats(model, input_ids, attention_mask, position_ids, response_length, temperature, vision,
                     **which: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     head = lm_head(model)
-    if is_dtensor(head.linear.weight):
-        # FSDP2 reshards the root's parameters (the LM head's among them) when its forward ends: the
-        # head must run inside it, so a sharded model's logits come whole and the chunks only read them
+    whole = input_ids.shape[0] * response_length * head.vocab_size <= functional.LOGITS_CHUNK_ELEMENTS
+    if whole or is_dtensor(head.linear.weight):
+        # logits that fit in one chunk come from the model's own forward, the same computation on one
+        # process and on N sharded ranks (a head run apart rounds otherwise); and FSDP2 reshards the root's
+        # parameters (the LM head's among them) when its forward ends: there the head must run inside it,
+        # so a sharded model's logits come whole and the chunks only read them
         hidden, real = response_hidden(model, input_ids, attention_mask, position_ids, response_length, vision,
                                        logits=True)
         head = LMHead(torch.nn.Identity(), head.vocab_size)
