@@ -53,6 +53,7 @@ class SeenSpec(HookSpec):
 def test_a_registered_hook_wraps_every_task_of_its_node_and_reports(tmp_path, monkeypatch):
     built: list[Seen] = []
     spec = SeenSpec(built)
+    hooks.load_hook_plugins()  # the wings' own providers first: they register into the list this test restores
     monkeypatch.setattr(hooks, "_PROVIDERS", [*hooks._PROVIDERS, lambda plan: {"reward": spec}])
     g = graph_from("ppo.yaml", tmp_path)  # two micro-batches of 4 prompts, one sample each
     with Runtime(g, backend="local", resources=BIG) as rt:

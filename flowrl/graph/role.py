@@ -42,6 +42,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
 
+from flowrl.errors import RunError
+
 
 class Role:
     """The object a role kind builds, as the worker calls it (see the module docstring)."""
@@ -51,12 +53,12 @@ class Role:
 
     def get_weights(self) -> Any:
         """The full weights, for another pool's :meth:`set_weights`."""
-        raise NotImplementedError(f"role {type(self).__name__} has no weights to send to another pool: "
+        raise RunError(f"role {type(self).__name__} has no weights to send to another pool: "
                                   f"implement get_weights and set_weights")
 
     def set_weights(self, weights: Any) -> None:
         """Load another pool's :meth:`get_weights` (the worker then calls :meth:`set_version`)."""
-        raise NotImplementedError(f"role {type(self).__name__} cannot load weights from another pool: "
+        raise RunError(f"role {type(self).__name__} cannot load weights from another pool: "
                                   f"implement get_weights and set_weights")
 
     def weights_for_digest(self) -> Any:

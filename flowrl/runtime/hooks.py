@@ -33,6 +33,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import importlib
 import time
 from dataclasses import dataclass, field
@@ -84,12 +85,12 @@ class TaskHook:
         return {}
 
 
-class HookSpec:
+class HookSpec(abc.ABC):
     """What crosses to a worker: a picklable description of a hook, built once per worker."""
 
+    @abc.abstractmethod
     def build(self, worker: "Worker") -> TaskHook:
         """The hook for ``worker`` (which it may read: ``first_process``, ``roles``, ``owner``, ``versions``)."""
-        raise NotImplementedError
 
 
 class Timing(TaskHook):
