@@ -54,6 +54,10 @@ def rows(out: Path) -> list[dict]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def _read(path: Path) -> bytes:
+    return path.read_bytes() if path.is_file() else b""
+
+
 def values(rs: list[dict]) -> list[tuple]:
     return [tuple(r[k] for k in VALUES) for r in rs]
 
@@ -329,7 +333,9 @@ def test_sigterm_saves_exits_143_and_resume_equals_an_uninterrupted_run(tmp_path
                              "--steps", str(steps), "--out", str(cut), *TINY_SET],
                             cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 180
-    while time.time() < deadline and not (cut / "metrics.jsonl").is_file():
+    # the first row, not the file: the sinks create metrics.jsonl before the runtime starts, and the
+    # run's own handler goes in after the runtime's start (ray.init installs one of its own)
+    while time.time() < deadline and b"\n" not in _read(cut / "metrics.jsonl"):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=180)
