@@ -9,6 +9,7 @@ run here unless the comment is ``<!-- not run: why -->`` or ``<!-- run by tests/
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -97,7 +98,8 @@ def test_every_yaml_graph_in_the_docs_validates(block, tmp_path):
 
 @pytest.mark.parametrize("block", of("python"), ids=lambda b: b.where)
 def test_every_python_graph_in_the_docs_validates(block, tmp_path):
-    path = tmp_path / "docs_graph.py"
+    # one module name per block: a second block of the same name would be served from sys.modules
+    path = tmp_path / f"docs_graph_{hashlib.sha1(block.where.encode()).hexdigest()[:12]}.py"
     path.write_text(block.text, encoding="utf-8")
     report = load_graph(str(path)).check()
     assert report.ok, f"{block.where}: " + "; ".join(str(p) for p in report.errors)
