@@ -136,6 +136,8 @@ def run_block(text: str, cwd: Path, env: dict[str, str], timeout: int = 600) -> 
                           text=True, timeout=timeout)
 
 
+# each command starts a Python that imports torch: seconds on an idle machine, minutes on a loaded one
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("block", of("bash"), ids=lambda b: b.where)
 def test_every_shell_command_in_the_docs_runs(block, tmp_path):
     cwd, env = shell(tmp_path)

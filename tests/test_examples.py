@@ -56,6 +56,7 @@ def run(tmp_path_factory):
     return cwd / "examples" / "own-model"
 
 
+@pytest.mark.timeout(900)  # the first test to use ``run`` pays for it: model, data, validate, 2 steps
 def test_the_example_makes_a_model_directory_and_verl_format_files(run):
     import pandas as pd
 
