@@ -25,10 +25,11 @@ def example_module():
     return my_reward
 
 
-def test_the_reward_scores_words_in_place_less_extra_words():
+def test_the_reward_credits_words_up_to_the_first_wrong_one_less_extra_words():
     score = example_module().compute_score
     assert score("my_reverse", "7 3", "7 3", {}) == 1.0
     assert score("my_reverse", "7 4", "7 3", {}) == 0.5
+    assert score("my_reverse", "3 3", "7 3", {}) == 0.0  # right in second place only: no credit
     assert score("my_reverse", "7 3 3", "7 3", {}) == pytest.approx(0.9)
     assert score("my_reverse", "", "7 3", {}) == 0.0
 
