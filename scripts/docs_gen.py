@@ -65,7 +65,8 @@ def _default(info: Any) -> str:
         return "required"
     value = info.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
-        return "its defaults"
+        changed = value.model_dump(exclude_defaults=True)  # a role kind may start from other values (lr)
+        return f"its defaults, with `{changed}`" if changed else "its defaults"
     if isinstance(value, enum.Enum):
         value = value.value
     return f"`{value!r}`"
