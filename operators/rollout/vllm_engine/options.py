@@ -172,7 +172,8 @@ def engine_process(options: VLLMOptions, *, in_process: bool) -> Iterator[None]:
 #: vLLM's warnings that a push or a start raises every time and that say nothing to a flowrl user
 _NOISE = ("Failed to load weights",  # layer-wise reload: a rotary embedding has no weights to reload
           "Passing raw prompts to InputProcessor is deprecated",
-          "Using None for EOS token id because tokenizer is not initialized")
+          "Using None for EOS token id because tokenizer is not initialized",
+          "Successfully reset prefix cache")  # after every push
 
 
 class _DropNoise(logging.Filter):
