@@ -85,6 +85,9 @@ def test_greedy_tokens_equal_the_hf_engine_and_then_after_a_weight_push(engine):
     torch.testing.assert_close(ours["rollout_log_probs"], theirs["rollout_log_probs"][:, :ours["rollout_log_probs"]
                                .shape[1]] * ours["response_mask"], atol=1e-4, rtol=0)
     assert_same_responses(ours, theirs)
+    twice = engine.generate(ids, mask, SamplingParams(greedy=True, n=2, max_new_tokens=16))  # vLLM: n=1 only
+    for half in (twice["responses"][0::2], twice["responses"][1::2]):
+        assert torch.equal(half, ours["responses"])
 
     new_model, _ = sharp_model(seed=1)
     version = engine.weight_version

@@ -214,10 +214,13 @@ class VLLMRolloutEngine(RolloutEngine):
         attention_mask = attention_mask.long().cpu()
         input_ids = input_ids.cpu()
         keys = call_seeds(len(input_ids), params, seeds, self.generator).tolist()
-        futures = [self.driver.submit(row[mask.bool()].tolist(), self._sampling(params, key, params.n))
+        # greedy: vLLM takes n = 1 only, and a prompt's n samples are one sample n times
+        n, copies = (1, params.n) if params.is_greedy else (params.n, 1)
+        futures = [self.driver.submit(row[mask.bool()].tolist(), self._sampling(params, key, n))
                    for row, mask, key in zip(input_ids, attention_mask, keys)]
         outputs = [future.result() for future in futures]
-        samples = [self._completion(c) for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]
+        samples = [self._completion(c) for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)
+                   for _ in range(copies)]
         tokens, log_probs, _ = zip(*samples)
         width = max(1, max(len(t) for t in tokens))  # as wide as the longest response, as the hf engine
         responses, response_mask, rollout_log_probs = pad_responses(tokens, log_probs, width, self.pad_token_id)
