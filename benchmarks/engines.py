@@ -234,27 +234,24 @@ def main() -> None:
             ["builtin:tiny"], 8, 8, 2, 2, 1)
         args.steps, job = (3 if args.steps else 0), {"data.batch_size": 4, "nodes.generate.n": 2}
     hf("logging").disable_progress_bar()
-    gen_rows, push_rows, start_rows = [], [], []
     with tempfile.TemporaryDirectory() as root:
-        for name in args.models:
+        for name in args.models:  # each model's tables as soon as it is measured: a long run shows progress
             model, tok = load(name, root)
             if args.start_rounds:  # first: the first model's first round includes importing vLLM
-                start_rows.append(startup(name, model, tok, args.start_rounds))
+                print_table("start-up, build to first token (median; the first model's first vLLM round imports "
+                            "vLLM)", ["model", "hf s", "vLLM s", "2 x hf + 15 s", "vLLM rounds", "load"],
+                            [startup(name, model, tok, args.start_rounds)])
             gen, push = generation(name, model, tok, args)
-            gen_rows.append(gen)
-            push_rows.append(push)
-    print_table(f"generation: {args.prompts} prompts x {args.n} samples x {args.tokens} tokens, temperature 1, "
-                f"keyed seeds, log-probs; median of {args.rounds} interleaved rounds (tokens/s)",
-                ["model", "raw vLLM", "flowrl vLLM", "flowrl hf", "flowrl/raw", "per round", "flowrl/hf", "load"],
-                gen_rows, notes=["raw vLLM: LLM.generate in a process of its own, in-process engine core, one "
-                                 "request per prompt with n and its seed, flat log-probs"])
-    print_table(f"weight push of the whole state dict against torch.save of it to {shm_dir()}, "
-                f"median of {args.rounds} interleaved rounds",
-                ["model", "MiB", "push ms", "push MiB/s", "save MiB/s", "push/save", "per round", "probe ms",
-                 "load"], push_rows)
-    if start_rows:
-        print_table("start-up, build to first token (median; the first model's first vLLM round imports vLLM)",
-                    ["model", "hf s", "vLLM s", "2 x hf + 15 s", "vLLM rounds", "load"], start_rows)
+            print_table(f"generation: {args.prompts} prompts x {args.n} samples x {args.tokens} tokens, "
+                        f"temperature 1, keyed seeds, log-probs; median of {args.rounds} interleaved rounds "
+                        "(tokens/s)", ["model", "raw vLLM", "flowrl vLLM", "flowrl hf", "flowrl/raw", "per round",
+                                       "flowrl/hf", "load"], [gen],
+                        notes=["raw vLLM: LLM.generate in a process of its own, in-process engine core, one "
+                               "request per prompt with n and its seed, flat log-probs"])
+            print_table(f"weight push of the whole state dict against torch.save of it to {shm_dir()}, "
+                        f"median of {args.rounds} interleaved rounds",
+                        ["model", "MiB", "push ms", "push MiB/s", "save MiB/s", "push/save", "per round",
+                         "probe ms", "load"], [push])
     if args.steps > 1:
         print_table(f"the default job (grpo, local backend), median of steps 2-{args.steps}",
                     ["engine", "steps", "step s", "generate s", "update_actor s (push, check)", "push s", "load"],
