@@ -283,6 +283,25 @@ def test_a_cpu_vllm_under_a_path_with_a_space_is_refused_up_front_with_the_reaso
     check_install_path(Path("/work/build/vllm-venv/vllm"), on_cpu=True)
 
 
+def test_validation_refuses_a_cpu_vllm_found_under_a_path_with_a_space(tmp_path):
+    """What the engine's start would refuse, the graph's validation refuses first: vLLM's package
+    reached through a folder with a space in its name (a link to the installed one)."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed here")
+    import subprocess
+    import sys
+
+    spaced = tmp_path / "my clone"
+    spaced.mkdir()
+    (spaced / "vllm").symlink_to(Path(importlib.util.find_spec("vllm").origin).parent)
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from operators.roles import ActorConfig\n"
+            "try:\n    ActorConfig(rollout={'engine': 'vllm'})\nexcept ValueError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(spaced)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert "a path with a space in it" in out.stdout and "my clone" in out.stdout, out.stderr[-2000:]
+
+
 def test_the_default_max_num_seqs_fits_the_batch_the_kv_cache_holds():
     tiny = {"num_attention_heads": 4, "hidden_size": 128, "num_hidden_layers": 2, "num_key_value_heads": 4}
     # 1024 MiB (the CPU default) holds 512 sequences of 1024 tokens: a default job's B·n in one wave

@@ -10,6 +10,7 @@ a trainer sharing the process (the local backend) keeps its threads and seeds.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
 import random
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flowrl.errors import ConfigError
 
@@ -65,6 +66,17 @@ class VLLMOptions(BaseModel):
         None, ge=1, description="CPU: the engine's OpenMP/torch threads when it runs in processes of its own; "
         "none: this process's torch thread count (in process, the engine uses this process's threads)")
     cpu_threads_bind: str = Field("nobind", description="CPU: VLLM_CPU_OMP_THREADS_BIND ('auto' pins cores)")
+
+    @model_validator(mode="after")
+    def _runnable_install(self) -> "VLLMOptions":
+        """``flowrl validate`` refuses what the engine's start would (:func:`check_install_path`)."""
+        spec = importlib.util.find_spec("vllm")  # found, not imported: validation stays fast
+        if spec is not None and spec.origin:
+            try:
+                check_install_path(Path(spec.origin).parent, on_cpu=not torch.cuda.is_available())
+            except VLLMInstallError as err:
+                raise ValueError(str(err)) from None
+        return self
 
 
 def import_vllm() -> Any:
