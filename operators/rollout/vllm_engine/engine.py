@@ -108,8 +108,9 @@ class VLLMRolloutEngine(RolloutEngine):
         #: every name a push must bring (none: not checked); :meth:`update_weights` fails a push without one
         self.weight_names = None if weight_names is None else frozenset(weight_names)
         self._incomplete: list[str] = []  # what the last push left out: no generation until a complete one
-        self._pushes = 0  # pushes so far: the probe check runs on the first and every check_every-th
-        self._probed_since_push = True
+        self._pushes = 0  # pushes so far
+        self._unprobed = 0  # pushes since the last probe check: it runs when they reach check_every
+        self._skipped = False  # the last push's check was skipped once: a second call probes
         self.generator = torch.Generator().manual_seed(seed)
         self.on_cpu = current_platform.is_cpu()
         self.can_sleep = bool(current_platform.is_sleep_mode_available()) and not self.on_cpu
@@ -279,7 +280,8 @@ class VLLMRolloutEngine(RolloutEngine):
         seconds = time.perf_counter() - start
         self.weight_version = int(version)
         self._pushes += 1
-        self._probed_since_push = False
+        self._unprobed += 1
+        self._skipped = False
         self._incomplete = sorted(self.weight_names - set(loaded)) if self.weight_names is not None else []
         if self._incomplete:
             raise WeightSyncError(
@@ -317,8 +319,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
     @property
     def check_due(self) -> bool:
-        """Whether the probe check runs after the last push: the first push and every ``check_every``-th."""
-        return (self._pushes - 1) % self.options.check_every == 0
+        """Whether the probe check runs after the last push: the first push, and once ``check_every``
+        pushes have gone unprobed."""
+        return self._pushes <= 1 or self._unprobed >= self.options.check_every
 
     def check_weights(self, model: torch.nn.Module, atol: float | None = None) -> dict[str, float]:
         """Raise :class:`WeightSyncError` unless the engine computes what ``model`` (the trainer's) computes.
@@ -333,13 +336,13 @@ class VLLMRolloutEngine(RolloutEngine):
         tensor left out is caught whatever the dtype: the push checks the names
         loaded. ``atol`` given: that alone.
 
-        After a push the check is not due for (``options.check_every``), the
-        first call returns ``{}`` without probing: the names loaded were checked.
+        After a push the check is not due for (:attr:`check_due`), the first
+        call returns ``{}`` without probing: the names loaded were checked.
         """
-        if not self.check_due and not self._probed_since_push:
-            self._probed_since_push = True
+        if not self.check_due and not self._skipped:
+            self._skipped = True
             return {}
-        self._probed_since_push = True
+        self._unprobed = 0
         engine = self.weights_fingerprint()
         trainer, spread = probe_forward(model, probe_tokens(self.vocab_size))
         diff = (engine - trainer).abs()

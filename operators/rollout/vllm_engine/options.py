@@ -58,7 +58,7 @@ class VLLMOptions(BaseModel):
     weight_bucket_mb: float = Field(64.0, gt=0, description="most MiB of weights handed over in one call of a push")
     check_every: int = Field(
         1, ge=1, description="the probe check (the engine's log-probs of a fixed sequence against the trainer's) "
-        "runs on the first push and every check_every-th after it; which names loaded is checked on every push")
+        "runs on the first push and once check_every pushes have gone unprobed; the names loaded: every push")
     in_process: bool | None = Field(
         None, description="run vLLM's engine core in this process (no busy-waiting engine processes); none: on "
         "CPU yes, on a GPU vLLM's own choice (its engine core in a process of its own)")
