@@ -24,6 +24,13 @@ done
 if [ -n "${PIP_CERT:-}" ] && [ -z "${SSL_CERT_FILE:-}" ]; then export SSL_CERT_FILE=$PIP_CERT; fi
 
 bootstrap() {
+  # vLLM's CPU build preloads its libgomp through LD_PRELOAD, which ld.so splits at spaces, and its kernel
+  # compiler leaves include paths unquoted: an engine under such a path dies at start (EngineDeadError).
+  case "$PWD" in *" "*)
+    echo "the repository is at '$PWD', a path with a space in it, where vLLM's CPU build cannot run (its" \
+         "LD_PRELOAD and compiler include paths split at spaces): clone it under a path without spaces" >&2
+    exit 2 ;;
+  esac
   # build/ may be a symlink to another checkout's build dir: keep the venv here.
   if [ -L build ]; then echo "build/ is a symlink; the vLLM venv needs a real build/ directory" >&2; exit 2; fi
   [ -x "$PY" ] || python3 -m venv "$VENV"

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +21,9 @@ from operators.models.forward import response_log_probs
 from operators.roles import ActorConfig
 from operators.rollout import EngineSource, HFRolloutEngine, SamplingParams, build_rollout_engine
 from operators.rollout.base import prompt_seeds
-from operators.rollout.vllm_engine import WeightSyncError
+from operators.rollout.vllm_engine import VLLMInstallError, WeightSyncError, check_install_path
+from operators.rollout.vllm_engine.options import VLLMOptions, max_num_seqs
+from operators.rollout.vllm_engine.weights import read_shm, shm_bucket
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -80,6 +85,9 @@ def test_greedy_tokens_equal_the_hf_engine_and_then_after_a_weight_push(engine):
     torch.testing.assert_close(ours["rollout_log_probs"], theirs["rollout_log_probs"][:, :ours["rollout_log_probs"]
                                .shape[1]] * ours["response_mask"], atol=1e-4, rtol=0)
     assert_same_responses(ours, theirs)
+    twice = engine.generate(ids, mask, SamplingParams(greedy=True, n=2, max_new_tokens=16))  # vLLM: n=1 only
+    for half in (twice["responses"][0::2], twice["responses"][1::2]):
+        assert torch.equal(half, ours["responses"])
 
     new_model, _ = sharp_model(seed=1)
     version = engine.weight_version
@@ -165,6 +173,32 @@ def test_requests_interleave_and_equal_the_batched_call(engine):
         torch.testing.assert_close(torch.tensor(one["log_probs"]), batched["rollout_log_probs"][i, :length])
 
 
+def test_the_probe_check_runs_on_the_first_push_and_every_kth_and_the_names_on_every_push(engine):
+    model, _ = sharp_model(seed=0)
+    new_model, _ = sharp_model(seed=1)
+    engine.update_weights(model.state_dict(), version=0)
+    assert "rollout/weight_check_max_diff" in engine.check_weights(model)  # check_every 1: every push
+    options = engine.options
+    engine.options = options.model_copy(update={"check_every": 2})
+    try:
+        checks = []
+        for version, weights in enumerate([new_model, model, new_model], start=1):
+            engine.update_weights(weights.state_dict(), version=version)
+            checks.append("rollout/weight_check_max_diff" in engine.check_weights(weights))
+        assert checks == [False, True, False]  # the second push after a probe probes
+        # a second call after a skipped push probes: the old weights are caught
+        with pytest.raises(WeightSyncError, match="not computing with the trainer's weights"):
+            engine.check_weights(model)
+        # the names are checked on every push, due or not
+        with pytest.raises(WeightSyncError, match="model.norm.weight"):
+            engine.update_weights({k: v for k, v in model.state_dict().items() if k != "model.norm.weight"},
+                                  version=5)
+    finally:
+        engine.options = options
+        engine.update_weights(model.state_dict(), version=0)
+    engine.check_weights(model)
+
+
 def test_memory_is_reported_and_cpu_says_it_cannot_sleep(engine):
     metrics = engine.memory_metrics()
     assert metrics["rollout/engine_rss_mb"] > 50  # vLLM's engine and worker processes
@@ -228,6 +262,54 @@ def test_engine_options_are_validated_and_the_registry_names_the_engine():
     assert ActorConfig(rollout={"drop_finished": False}).rollout.options() == {"drop_finished": False}
 
 
+def test_a_shared_memory_bucket_is_written_once_and_read_back_as_mapped_views():
+    bucket = [("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)), ("b", torch.ones(3, dtype=torch.bfloat16)),
+              ("c", torch.tensor([7, -8], dtype=torch.int64))]
+    with shm_bucket(bucket) as (path, layout, size):
+        assert os.path.getsize(path) == size == 64 + 64 + 16  # each tensor at a 64-byte boundary
+        back = read_shm(path, layout, size)
+        assert [name for name, _ in back] == ["a", "b", "c"]
+        for (_, sent), (_, got) in zip(bucket, back):
+            assert got.dtype == sent.dtype and torch.equal(got, sent)
+    assert not os.path.exists(path)  # removed once the worker has loaded it
+
+
+def test_a_cpu_vllm_under_a_path_with_a_space_is_refused_up_front_with_the_reason():
+    with pytest.raises(VLLMInstallError, match="a path with a space in it: vLLM preloads its libgomp"):
+        check_install_path(Path("/home/me/my clone/build/vllm-venv/lib/python3.11/site-packages/vllm"), on_cpu=True)
+    with pytest.raises(ImportError):  # callers that probe for an ImportError still catch it
+        check_install_path(Path("/a b/vllm"), on_cpu=True)
+    check_install_path(Path("/a b/vllm"), on_cpu=False)  # CUDA builds preload nothing
+    check_install_path(Path("/work/build/vllm-venv/vllm"), on_cpu=True)
+
+
+def test_validation_refuses_a_cpu_vllm_found_under_a_path_with_a_space(tmp_path):
+    """What the engine's start would refuse, the graph's validation refuses first: vLLM's package
+    reached through a folder with a space in its name (a link to the installed one)."""
+    if not HAS_VLLM:
+        pytest.skip("vLLM is not installed here")
+    import subprocess
+    import sys
+
+    spaced = tmp_path / "my clone"
+    spaced.mkdir()
+    (spaced / "vllm").symlink_to(Path(importlib.util.find_spec("vllm").origin).parent)
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "from operators.roles import ActorConfig\n"
+            "try:\n    ActorConfig(rollout={'engine': 'vllm'})\nexcept ValueError as err:\n    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(spaced)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    assert "a path with a space in it" in out.stdout and "my clone" in out.stdout, out.stderr[-2000:]
+
+
+def test_the_default_max_num_seqs_fits_the_batch_the_kv_cache_holds():
+    tiny = {"num_attention_heads": 4, "hidden_size": 128, "num_hidden_layers": 2, "num_key_value_heads": 4}
+    # 1024 MiB (the CPU default) holds 512 sequences of 1024 tokens: a default job's B·n in one wave
+    assert max_num_seqs(VLLMOptions(), tiny, "float32", kv_mib=1024, max_model_len=1024) == 512
+    assert max_num_seqs(VLLMOptions(), tiny, "float32", kv_mib=64, max_model_len=1024) == 256  # vLLM's floor
+    assert max_num_seqs(VLLMOptions(max_num_seqs=8), tiny, "float32", kv_mib=1024, max_model_len=1024) == 8
+
+
 @pytest.mark.skipif(HAS_VLLM, reason="vLLM is installed: the engine starts")
 def test_without_vllm_the_engine_says_how_to_install_it():
     model, tok = load_model("builtin:tiny")
@@ -235,9 +317,14 @@ def test_without_vllm_the_engine_says_how_to_install_it():
         build_rollout_engine("vllm", EngineSource(model, tok, "builtin:tiny", seed=0))
 
 
-def test_a_run_on_vllm_trains_and_its_engine_processes_end_with_it(tmp_path):
+#: a vLLM log record as vLLM formats it, or as the engine's handler does
+VLLM_RECORD = re.compile(r"^(\(\w+ pid=\d+\) )?(INFO|WARNING) \d\d-\d\d |^vllm (INFO|WARNING) ", re.M)
+
+
+def test_a_run_on_vllm_trains_and_its_engine_processes_end_with_it(tmp_path, capfd):
     """``flowrl run`` end to end on the local backend: the update pushes into vLLM and checks it, and
-    the engine's processes end with the run, not with the Python process (a notebook, seeds.py)."""
+    the engine's processes end with the run, not with the Python process (a notebook, seeds.py).
+    vLLM's log records go to the run's log, none to the terminal."""
     if not HAS_VLLM:
         pytest.skip("vLLM is not installed here")
     import psutil
@@ -261,6 +348,10 @@ def test_a_run_on_vllm_trains_and_its_engine_processes_end_with_it(tmp_path):
     left = [psutil.Process(pid) for pid in engines() - before]
     _, alive = psutil.wait_procs(left, timeout=30)  # vLLM's engine-core and worker processes end
     assert [p for p in alive if p.status() != psutil.STATUS_ZOMBIE] == []
+    terminal = capfd.readouterr()
+    assert VLLM_RECORD.findall(terminal.out + terminal.err) == []
+    assert len(VLLM_RECORD.findall((tmp_path / "run.log").read_text())) > 3  # the engine's start, at least
+    assert "Failed to load weights" not in (tmp_path / "run.log").read_text()  # a push's noise: dropped
 
 
 def test_weight_versions_go_on_across_a_killed_vllm_worker_and_a_resume(ray_session, tmp_path):

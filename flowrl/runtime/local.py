@@ -7,6 +7,7 @@ of its roles and an update gets the whole batch (the plan runs it as declared).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import queue
 import threading
 import time
@@ -18,6 +19,7 @@ from flowrl.runtime.hangs import STACKS_TIMEOUT_S, thread_stacks
 from flowrl.plan.pools import DRIVER, PoolSpec
 from flowrl.plan.traits import LOCAL
 from flowrl.runtime.worker import Call, NodeEntry, Worker
+from flowrl.store.runlog import RUN_LOG_ENV
 
 
 @backend(LOCAL)
@@ -31,6 +33,8 @@ class LocalBackend(Backend):
 
     def start(self, pools: list[PoolSpec], nodes: dict[str, dict[str, NodeEntry]], seed: int,
               driver: bool = True) -> None:
+        if self.log_path is not None:  # operators run here: what libraries log goes to the run's log
+            os.environ[RUN_LOG_ENV] = str(self.log_path)
         for p in pools:
             for rank in range(p.workers):
                 self.workers[(p.name, rank)] = Worker(p.name, rank, p.workers, p.roles, nodes, seed,
@@ -86,6 +90,8 @@ class LocalBackend(Backend):
         for w in self.workers.values():  # a rollout engine's processes (vLLM) end with the run, not the process
             for role in {id(r): r for r in w.roles.values()}.values():
                 role.close()
+        if self.log_path is not None and os.environ.get(RUN_LOG_ENV) == str(self.log_path):
+            del os.environ[RUN_LOG_ENV]
 
 
 class LocalSupervisor(Supervisor):

@@ -34,6 +34,9 @@ from flowrl.errors import NodeError, RuntimeFailure
 
 #: the log's name in a run directory
 RUN_LOG = "run.log"
+#: the environment variable naming the run's log while the local backend runs operators in this process:
+#: libraries' log handlers there write to it rather than to the terminal (the vLLM engine's does)
+RUN_LOG_ENV = "FLOWRL_RUN_LOG"
 #: (category, message regex) of warnings libraries raise that say nothing to a flowrl user
 KNOWN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     # transformers >= 4.56 on a model called with a cache object: raised on every forward pass
