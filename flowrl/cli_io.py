@@ -46,7 +46,12 @@ def show(out: Console, renderable: RenderableType) -> None:
         out.print(renderable)
         return
     need = Measurement.get(out, out.options.update_width(PIPE_WIDTH), renderable).maximum
-    out.print(renderable, width=max(out.width, min(need, PIPE_WIDTH)), crop=False)
+    width = out.width
+    out.width = max(width, min(need, PIPE_WIDTH))  # print(width=) cannot go past the console's own width
+    try:
+        out.print(renderable, crop=False)
+    finally:
+        out.width = width
 
 
 def plain(text: str) -> str:

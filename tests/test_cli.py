@@ -263,3 +263,26 @@ def test_export_names_the_tensors_that_do_not_fit(tmp_path):
     with pytest.raises(ExportError) as err:
         export_hf(wrong, graph, tmp_path / "b")
     assert "size mismatch for model.norm.weight" in str(err.value)
+
+
+def test_help_piped_writes_each_paragraph_on_one_line():
+    import inspect
+
+    from typer.main import get_command
+
+    res = piped("--help")
+    assert res.returncode == 0, res.stderr
+    lines = [line.strip() for line in res.stdout.splitlines()]
+    commands = get_command(app).commands
+    assert {"run", "diff", "replay", "plan"} <= set(commands)
+    for name, cmd in commands.items():
+        # the summary is the docstring's first paragraph, its source line breaks joined: whole on the command's row
+        first = " ".join(inspect.cleandoc(cmd.help or "").split("\n\n")[0].split())
+        row = next(line for line in lines if line.split()[:1] == [name])
+        said = row.split(None, 1)[1]  # click keeps the first sentence of a long summary: whole sentences only
+        assert first.startswith(said) and said.endswith("."), (name, row)
+        own = [line.strip() for line in piped(name, "--help").stdout.splitlines()]
+        assert first in own, (name, own)
+    options = piped("run", "--help").stdout.splitlines()
+    listen = next(line for line in options if line.strip().startswith("--ray-listen-all"))
+    assert "anyone who can reach an open Ray can run code as you" in listen
