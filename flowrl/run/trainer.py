@@ -61,7 +61,7 @@ from flowrl.runtime.steps import StepHook
 from flowrl.store.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
                                      fingerprint, worker_counts)
 from flowrl.store.rundir import RunDirectory, run_dir_of
-from flowrl.store.runlog import RUN_LOG, record_failure
+from flowrl.store.runlog import RUN_LOG, log_note, record_failure
 
 #: task records kept in the driver when no trace is written (a few steps' worth: memory stays flat)
 TIMELINE_RECORDS = 1_000
@@ -127,7 +127,8 @@ class Trainer:
         # rows a step generates: prompts × the largest expansion (n samples per prompt)
         samples = cfg.data.batch_size * max(sp.factor for sp in plan.spaces.values())
         tokens = self.graph.token_metrics()  # the operator that generates says which metric counts tokens
-        timing = Timing(samples, PlanCheck(plan, self.out, self.say), tokens.mean if tokens is not None else None)
+        check = PlanCheck(plan, self.out, self.say, log=lambda message: log_note(self.log_path, message))
+        timing = Timing(samples, check, tokens.mean if tokens is not None else None)
         hooks: list[StepHook] = [timing, self.sinks]
         if cfg.trainer.fingerprints:
             hooks.append(Fingerprints(self.out, self.graph, plan, self.say))
