@@ -14,8 +14,10 @@ Example::
 from __future__ import annotations
 
 import os
+import shlex
 import signal
-from typing import Optional
+import time
+from typing import Any, Optional
 
 import typer
 
@@ -75,13 +77,17 @@ def run(
         raise typer.Exit(1) from None
     total = steps if steps is not None else g.config.trainer.steps
     trainer = None
+    start = time.monotonic()
     try:
         with LiveView(g, total_steps=total, console=console) as view:
+            view.score_max = declared_score_max(g)
+            view.say(f"{g.name}: {total} steps on the {backend} backend → {run_dir_of(g.config, out)}")
+            view.wait("starting Ray and asking for the workers" if backend == "ray"
+                      else "making the plan and opening the data")
             trainer = Trainer(g, backend=backend, steps=steps, out=out, address=address, trace=trace,
                               on_step=view.step, on_progress=view.progress, resume=resume, say=view.say,
-                              overwrite=overwrite, history_limit=0, show_startup=verbose)
+                              overwrite=overwrite, history_limit=0, show_startup=verbose, on_wait=view.wait)
             view.placement = dict(trainer.runtime.plan.moved)
-            view.say(f"{g.name}: {total} steps on the {backend} backend → {trainer.out}")
             trainer.run()
     except RuntimeFailure as e:
         err_console.print(f"[bold red]run failed[/] {escape(str(e))}")
@@ -95,7 +101,43 @@ def run(
     if trainer.stopped:
         # the shell's convention for "ended by a signal": 128 + its number
         raise typer.Exit(143 if trainer.stop_signal == signal.SIGTERM else 130)
-    console.print(f"[green]done[/]: metrics in {trainer.out / 'metrics.jsonl'}")
+    for line in summary(view, trainer, graph, time.monotonic() - start):
+        console.print(escape(line), highlight=False)
 
 
-__all__ = ["FAULT_ENV", "run"]
+def declared_score_max(g: Any) -> float | None:
+    """The highest held-out score of graph ``g``, as its scoring node's operator declares it for its
+    parameters (``score_max``: grpo_tools' 1.2 is 1 for the answer + its tool's 0.2); None when unknown."""
+    scorer = g.scorer()
+    node = g.nodes[scorer[0]] if scorer is not None else None
+    if node is None or node.op.score_max is None:
+        return None
+    return node.op.score_max(node.params, g.config.dump())
+
+
+def summary(view: Any, trainer: Any, graph: str, wall_s: float) -> list[str]:
+    """The closing lines of a run: steps and wall time, the held-out score (final, best, of its maximum),
+    the headline metric over the last steps, the checkpoint, and the commands that go on from here."""
+    out = trainer.out
+    minutes, seconds = divmod(round(wall_s), 60)
+    lines = [f"done: {view.steps_done} steps in {f'{minutes}m ' if minutes else ''}{seconds}s → {out}"]
+    if view.val_scores:
+        final_step, final = view.val_scores[-1]
+        best_step, best = max(view.val_scores, key=lambda s: s[1])
+        of = f", of a maximum of {view.score_max:.4g}" if view.score_max is not None else ""
+        lines.append(f"  held-out {view.val_metric}: {final:.4g} at step {final_step}, best {best:.4g} at step "
+                     f"{best_step}{of}")
+    if view.recent:
+        lines.append(f"  {view.headline}, mean of the last {len(view.recent)} steps: "
+                     f"{sum(view.recent) / len(view.recent):.4g}")
+    lines.append(f"  metrics: {out / 'metrics.jsonl'}")
+    q = shlex.quote
+    if trainer.last_checkpoint is not None:
+        lines.append(f"  checkpoint: {trainer.last_checkpoint}")
+        lines.append(f"  resume:  flowrl run {q(graph)} --out {q(str(out))} --resume --steps {2 * trainer.steps}")
+        lines.append(f"  export:  flowrl export {q(str(out))} {q(str(out / 'hf'))}")
+    lines.append(f"  compare: flowrl diff {q(str(out))} OTHER_RUN_DIR")
+    return lines
+
+
+__all__ = ["FAULT_ENV", "declared_score_max", "run", "summary"]

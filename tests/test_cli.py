@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -286,3 +287,47 @@ def test_help_piped_writes_each_paragraph_on_one_line():
     options = piped("run", "--help").stdout.splitlines()
     listen = next(line for line in options if line.strip().startswith("--ray-listen-all"))
     assert "anyone who can reach an open Ray can run code as you" in listen
+
+
+def test_a_run_ends_with_a_summary_of_its_scores_checkpoint_and_next_commands(tmp_path):
+    out = tmp_path / "a run"  # a path with a space: the commands quote it
+    res = piped("run", "grpo", "--backend", "local", "--steps", "3", "--out", str(out), "--set", "data.batch_size=4",
+                "--set", "nodes.generate.n=2", "--set", "trainer.val_every=2")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [(r["step"], r["val/reward/mean"]) for r in rows if "val/reward/mean" in r]
+    assert [s for s, _ in val] == [2, 3]
+    lines = [line.strip() for line in res.stdout.splitlines()]
+    # each validation is said when it is computed, with the maximum the reward declares
+    for step, score in val:
+        assert f"validation after step {step}: val/reward/mean {score:.4g} (of 1)" in lines
+    start = next(i for i, line in enumerate(lines) if line.startswith("done: 3 steps in "))
+    best_step, best = max(val, key=lambda v: v[1])
+    mean = sum(r["reward/mean"] for r in rows) / len(rows)
+    checkpoint = out / "checkpoints" / "step_00000003"
+    assert lines[start].endswith(f"→ {out}")
+    assert lines[start + 1:] == [
+        f"held-out val/reward/mean: {val[-1][1]:.4g} at step 3, best {best:.4g} at step {best_step}, "
+        f"of a maximum of 1",
+        f"reward/mean, mean of the last 3 steps: {mean:.4g}",
+        f"metrics: {out / 'metrics.jsonl'}",
+        f"checkpoint: {checkpoint}",
+        f"resume:  flowrl run grpo --out '{out}' --resume --steps 6",
+        f"export:  flowrl export '{out}' '{out / 'hf'}'",
+        f"compare: flowrl diff '{out}' OTHER_RUN_DIR",
+    ]
+    assert checkpoint.is_dir()
+
+
+def test_the_held_out_maximum_is_what_the_reward_declares():
+    from flowrl.cli_run import declared_score_max
+
+    assert declared_score_max(load_graph("grpo")) == 1.0
+    # grpo_tools: 1 for the exact answer + tool_reward_weight 1.0 × AddTool's reward 0.2
+    assert declared_score_max(load_graph("grpo_tools")) == pytest.approx(1.2)
+    assert declared_score_max(load_graph("grpo_tools", overrides={"nodes.reward.tool_reward_weight": 0.5,
+                                                                  "nodes.generate.tools": [{
+                                                                      "class_name": "operators.rollout.tools.AddTool",
+                                                                      "config": {"reward": 0.4}}]})) == 1.2
+    user = load_graph("grpo", overrides={"nodes.reward.fn": "tests.faulty_reward:compute_score"})
+    assert declared_score_max(user) is None  # a user's function: no maximum is claimed
