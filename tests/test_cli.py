@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ def invoke(*args: str):
 
 def test_validate_ok_and_errors(tmp_path):
     ok = invoke("validate", "grpo")
-    assert ok.exit_code == 0 and "ok grpo: 4 nodes" in ok.output
+    assert ok.exit_code == 0 and "ok grpo: 4 nodes, 8 edges, 1 pool, 0 warnings" in ok.output  # not "1 pools"
     data = yaml.safe_load((ROOT / "graphs" / "ppo.yaml").read_text())
     data["nodes"]["advantage"]["op"] = "advantage.gea"
     data["nodes"]["values"]["inputs"] = {"responses": "respones"}
@@ -317,6 +318,14 @@ def test_a_run_ends_with_a_summary_of_its_scores_checkpoint_and_next_commands(tm
         f"compare: flowrl diff '{out}' OTHER_RUN_DIR",
     ]
     assert checkpoint.is_dir()
+    # the export it prints runs as printed, with one line of its own and no progress bars of transformers'
+    export = shlex.split(next(line for line in lines if line.startswith("export:")).split(":", 1)[1])
+    assert export[:2] == ["flowrl", "export"]
+    exported = piped(*export[1:])
+    assert exported.returncode == 0, exported.stderr
+    assert (out / "hf" / "config.json").is_file()
+    assert "Writing model shards" not in exported.stderr and "it/s]" not in exported.stderr
+    assert exported.stdout.count("\n") == 1 and exported.stdout.startswith("exported actor to ")
 
 
 def test_the_held_out_maximum_is_what_the_reward_declares():
@@ -331,3 +340,40 @@ def test_the_held_out_maximum_is_what_the_reward_declares():
                                                                       "config": {"reward": 0.4}}]})) == 1.2
     user = load_graph("grpo", overrides={"nodes.reward.fn": "tests.faulty_reward:compute_score"})
     assert declared_score_max(user) is None  # a user's function: no maximum is claimed
+
+
+@pytest.mark.timeout(2400)  # the warm-up SFT alone took minutes at a load of 30 on 2 cores
+def test_a_run_waiting_on_an_uncached_warm_up_says_so_at_least_every_10_s(tmp_path):
+    import threading
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "NO_COLOR")}
+    # builtin:tiny-tools' warm-up SFT is cached by its recipe: an empty cache directory makes it run
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", COLUMNS="80", FLOWRL_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "run", "grpo_tools", "--backend", "local",
+                             "--steps", "1", "--out", str(tmp_path / "run"), "--set", "data.batch_size=2",
+                             "--set", "nodes.generate.n=2", "--set", "trainer.val_every=0"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []  # each line with when it came through the pipe
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert proc.wait(timeout=1800) == 0, "\n".join(text for _, text in lines)
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    header = next(t for t, text in lines if text.startswith("grpo_tools: 1 steps"))
+    first = next(t for t, text in lines if text.startswith("step 1/1"))
+    progress = [text for t, text in lines if header <= t <= first and text.startswith("… ")]
+    waited = first - header
+    assert (tmp_path / "cache").is_dir()  # the warm-up ran, and cached its weights for the next run
+    assert len(progress) >= int(waited // 10), (waited, lines)
+    # the longest wait is the workers building their roles: the model named, its seconds counting up
+    building = [text for text in progress if "actor (builtin:tiny-tools)" in text]
+    seconds = [int(text.rsplit(": ", 1)[1].removesuffix(" s")) for text in building]
+    assert seconds == sorted(seconds) and all(b - a == 10 for a, b in zip(seconds, seconds[1:])), building
