@@ -261,9 +261,11 @@ def _plan_check_lines(tmp_path, slow: dict) -> list[str]:
 
 
 def test_one_slow_step_of_a_run_is_not_warned_and_a_lasting_slowdown_is(tmp_path):
-    # each step of this job takes a fraction of a second: 3 s is a slowdown far past the machine's noise
-    assert _plan_check_lines(tmp_path / "one", {"seconds": 3.0, "steps": [7]}) == []
-    lasting = _plan_check_lines(tmp_path / "lasting", {"seconds": 3.0, "from_step": 7})
+    # every step waits 1 s, which a loaded machine cannot stretch (the rest of a step takes a fraction of one,
+    # which it can, by half at a load of 18 on 2 cores); 3 s more is a slowdown far past that noise
+    one = {"base_seconds": 1.0, "seconds": 3.0}
+    assert _plan_check_lines(tmp_path / "one", {**one, "steps": [7]}) == []
+    lasting = _plan_check_lines(tmp_path / "lasting", {**one, "from_step": 7})
     assert len(lasting) == 1 and "3 steps in a row" in lasting[0] and "'slow'" in lasting[0]
 
 

@@ -12,6 +12,7 @@ STEPS = StateSpec(init=lambda p: {"steps": 0})
 
 class SlowSteps(Params):
     seconds: float = Field(1.0, ge=0, description="how long a slow step waits")
+    base_seconds: float = Field(0.0, ge=0, description="how long every step waits (a step the load cannot stretch)")
     steps: list[int] = Field(default_factory=list, description="1-based steps that wait")
     from_step: int = Field(0, ge=0, description="every step from this one waits (0: none)")
 
@@ -28,6 +29,6 @@ def slow_steps(batch, p: SlowSteps):
     state = batch.meta_info[STEPS.key]
     state["steps"] += 1
     step = state["steps"]
-    if step in p.steps or (p.from_step and step >= p.from_step):
-        time.sleep(p.seconds)
+    slow = step in p.steps or (p.from_step and step >= p.from_step)
+    time.sleep(p.base_seconds + (p.seconds if slow else 0.0))
     return {"token_level_rewards": batch["token_level_scores"]}, {}
