@@ -56,13 +56,23 @@ def test_a_wait_gets_a_line_after_5_s_then_every_10_s_and_a_new_wait_starts_agai
         lines.append(waits.tick())
     assert [(t, line) for t, line in enumerate(lines) if line] == [
         (5, "… starting Ray: 5 s"), (15, "… starting Ray: 15 s"), (25, "… starting Ray: 25 s")]
-    waits.begin("step 1/3")
+    now[0] = 132.0
+    waits.begin("step 1/3")  # the next wait keeps the rhythm: its first line at 135 s, with its own 3 s
     assert waits.tick() is None
-    now[0] += 5
-    assert waits.tick() == "… step 1/3: 5 s"
+    now[0] = 135.5
+    assert waits.tick() == "… step 1/3: 4 s"
+    now[0] = 157.0  # a tick 11.5 s late (a loaded machine): one line, and the schedule goes on at 165 s
+    assert waits.tick() == "… step 1/3: 25 s" and waits.tick() is None
+    now[0] = 165.0
+    assert waits.tick() == "… step 1/3: 33 s"
     waits.end()
     now[0] += 60
     assert waits.tick() is None
+    waits.begin("step 2/3")  # after a pause, a new wait's first line comes after 5 s
+    now[0] += 4.9
+    assert waits.tick() is None
+    now[0] += 0.1
+    assert waits.tick() == "… step 2/3: 5 s"
 
 
 def test_validation_scores_are_said_as_they_come_with_the_declared_maximum():

@@ -104,10 +104,12 @@ class Waits:
         self._thread.start()
 
     def begin(self, label: str) -> None:
-        """A new wait (ending the one before)."""
+        """A new wait (ending the one before, whose rhythm it keeps: a line at least every ``every_s``)."""
         with self._lock:
-            self.label, self.since = label, self.clock()
-            self.next = self.since + self.first_s
+            now = self.clock()
+            first = now + self.first_s
+            self.next = min(self.next, first) if self.label is not None else first
+            self.label, self.since = label, now
 
     def end(self) -> None:
         """Nothing is being waited on."""
@@ -120,7 +122,8 @@ class Waits:
             now = self.clock()
             if self.label is None or now < self.next:
                 return None
-            self.next = now + self.every_s
+            while self.next <= now:  # on the schedule, however late this tick came (a loaded machine)
+                self.next += self.every_s
             return f"… {self.label}: {now - self.since:.0f} s"
 
     def _run(self) -> None:
