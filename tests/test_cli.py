@@ -373,7 +373,8 @@ def test_a_run_waiting_on_an_uncached_warm_up_says_so_at_least_every_10_s(tmp_pa
     waited = first - header
     assert (tmp_path / "cache").is_dir()  # the warm-up ran, and cached its weights for the next run
     assert len(progress) >= int(waited // 10), (waited, lines)
-    # the longest wait is the workers building their roles: the model named, its seconds counting up
+    # the longest wait is the workers building their roles: the model named, its seconds counting up about
+    # every 10 s (a tick comes up to a few seconds late on a loaded machine; the schedule does not slip)
     building = [text for text in progress if "actor (builtin:tiny-tools)" in text]
     seconds = [int(text.rsplit(": ", 1)[1].removesuffix(" s")) for text in building]
-    assert seconds == sorted(seconds) and all(b - a == 10 for a, b in zip(seconds, seconds[1:])), building
+    assert len(seconds) >= 2 and all(0 < b - a <= 15 for a, b in zip(seconds, seconds[1:])), building
