@@ -14,38 +14,30 @@ the commands): ``--help`` imports typer and rich alone, no graph code, and
 from __future__ import annotations
 
 import json
-import os
-import signal
 import sys
 from pathlib import Path
 from enum import Enum
-from typing import TYPE_CHECKING, Any, NoReturn, Optional
+from typing import Optional
 
 import typer
 from rich.console import Console
 
-from flowrl import cli_debug
-from flowrl.runtime.ray_start import exit_now, prestart
+from flowrl import cli_debug, cli_io, cli_run
 
-if TYPE_CHECKING:
-    from flowrl.graph.checks import GraphProblem
-
+#: help off a terminal is click's plain text, one line per paragraph (rich's would be boxed at 80 columns);
+#: in one it is rich's, whose markdown mode joins a docstring's lines into paragraphs that wrap at the window
+_PIPED = not sys.stdout.isatty()
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     help="flowrl: RL for language models as a declarative dataflow graph.",
     pretty_exceptions_enable=False,
+    rich_markup_mode=None if _PIPED else "markdown",
+    context_settings={"max_content_width": cli_io.PIPE_WIDTH, "terminal_width": cli_io.PIPE_WIDTH} if _PIPED else {},
 )
 
 
-def _make_console(stderr: bool = False) -> Console:
-    """A console that wraps and colours only on a terminal: piped text stays one line per message."""
-    c = Console(stderr=stderr)
-    return c if c.is_terminal else Console(stderr=stderr, soft_wrap=True, no_color=True, highlight=False)
-
-
-console = _make_console()
-err_console = _make_console(stderr=True)
+console, err_console = cli_io.console, cli_io.err_console
 
 
 class VizFormat(str, Enum):
@@ -55,52 +47,10 @@ class VizFormat(str, Enum):
     json = "json"
 
 
-parse_overrides = cli_debug.parse_overrides  # flowrl replay takes --set too
-
-#: the fault switch's environment variable: an alias of ``flowrl run --fault``, read by that command
-#: alone, once (the runtime reads no environment; the switch is the graph's ``trainer.fault``)
-FAULT_ENV = "FLOWRL_FAULT"
-
-
-def _count(n: int, noun: str) -> str:
-    """``1 pool``, ``2 pools``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _print_problems(problems: list[GraphProblem], warnings: list[GraphProblem]) -> None:
-    for p in problems:
-        err_console.print(f"[bold red]error[/] [red]\\[{p.title}][/] {_escape(str(p))}")
-    for w in warnings:
-        err_console.print(f"[yellow]warning[/] [yellow]\\[{w.title}][/] {_escape(str(w))}")
-
-
-_escape = cli_debug.plain
-
-
-def fail(message: str, code: int = 1, label: str = "") -> NoReturn:
-    """One error line on the command's stderr console, then exit ``code`` (:func:`flowrl.cli_debug.fail`)."""
-    cli_debug.fail(message, code, err_console, label)
-
-
-def _load(ref: str, overrides: dict[str, Any] | None = None):
-    from flowrl.graph import GraphError, load_graph
-
-    try:
-        return load_graph(ref, overrides=overrides)
-    except GraphError as e:
-        _print_problems(e.problems, e.warnings)
-        raise typer.Exit(1) from None
-
-
-def _load_checked(ref: str, set_: list[str] | None, more: dict[str, Any] | None = None):
-    """A graph that passed every check (else its problems are printed and the command exits 1);
-    ``more``: overrides set by other options than ``--set``."""
-    g = _load(ref, {**parse_overrides(set_), **(more or {})})
-    report = g.check()
-    if not report.ok:
-        _print_problems(report.errors, report.warnings)
-        raise typer.Exit(1)
-    return g
+parse_overrides = cli_io.parse_overrides  # flowrl replay takes --set too
+_count, _print_problems, _escape, fail = cli_io.count, cli_io.print_problems, cli_io.escape, cli_io.fail
+_load, _load_checked = cli_io.load, cli_io.load_checked
+FAULT_ENV = cli_run.FAULT_ENV
 
 
 @app.command()
@@ -203,7 +153,7 @@ def _plan(g, backend: str, label: str = ""):
     try:
         return make_plan(g, traits)
     except PlanError as e:
-        fail(str(e), 1, label)
+        fail(str(e), 1, label=label)
 
 
 def measured_costs(run_dir: str, nodes: list[str]) -> dict[str, float]:
@@ -244,76 +194,7 @@ def profile(
     console.print(f"[green]costs[/] in {path}: search with `flowrl plan GRAPH --search --costs {path} --cpus N`")
 
 
-@app.command()
-def run(
-    graph: str = typer.Argument("grpo", help="graph: file.yaml, file.py, module:graph, or a built-in name"),
-    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="steps to run (default: trainer.steps)"),
-    out: Optional[str] = typer.Option(None, "--out", help="run directory (default: trainer.out)"),
-    backend: str = typer.Option("ray", "--backend", help="a registered backend: ray (default) or local"),
-    address: Optional[str] = typer.Option(
-        None, "--address", help="a Ray cluster to join (default: RAY_ADDRESS when set, else a local Ray on 127.0.0.1)"),
-    trace: Optional[str] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace here"),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help="override a key: path.to.key=value"),
-    resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
-    overwrite: bool = typer.Option(False, "--overwrite",
-                                   help="replace the run already in the run directory (its metrics and checkpoints)"),
-    ray_listen_all: bool = typer.Option(
-        False, "--ray-listen-all",
-        help="let the local Ray listen on every network interface (default: 127.0.0.1 only; "
-             "anyone who can reach an open Ray can run code as you)"),
-    verbose: bool = typer.Option(
-        False, "-v", "--verbose",
-        help="after the first step, print the start-up timeline (which process did what, when)"),
-    fault: Optional[str] = typer.Option(
-        None, "--fault", help="inject a failure, for tests and rehearsals: node=reward,step=3,rank=0,"
-        f"kind=raise|hang|kill,mb=0,times=1 (sets trainer.fault; default: {FAULT_ENV} when set)"),
-) -> None:
-    """Train: run the graph for trainer.steps steps, printing and recording metrics."""
-    if resume and overwrite:
-        fail("--resume continues the run in the directory and --overwrite replaces it: give one of them", 2)
-    if ray_listen_all:
-        os.environ["FLOWRL_RAY_LISTEN_ALL"] = "1"
-    prestart(backend, address)  # Ray starts on a thread: its seconds overlap loading the graph
-    fault = fault if fault is not None else os.environ.get(FAULT_ENV, "").strip() or None
-    # before the runtime's imports: a wrong graph is said at once
-    g = _load_checked(graph, set_, {"trainer.fault": fault} if fault else None)
-    from flowrl.runtime.backends import BACKENDS
-    from flowrl.errors import RuntimeFailure
-    from flowrl.run.trainer import Trainer
-    from flowrl.store.rundir import RunDirectory, run_dir_of
-    from visualizer.live import LiveView
-
-    if backend not in BACKENDS:
-        fail(f"--backend {backend}: not a backend; use one of {', '.join(sorted(BACKENDS))}", 2)
-    try:  # what needs no Ray is refused before the run waits on Ray's start
-        RunDirectory(run_dir_of(g.config, out)).check(resume=resume, overwrite=overwrite)
-    except RuntimeFailure as e:
-        err_console.print(f"[bold red]run failed[/] {_escape(str(e))}")
-        exit_now(1)
-        raise typer.Exit(1) from None
-    total = steps if steps is not None else g.config.trainer.steps
-    trainer = None
-    try:
-        with LiveView(g, total_steps=total, console=console) as view:
-            trainer = Trainer(g, backend=backend, steps=steps, out=out, address=address, trace=trace,
-                              on_step=view.step, on_progress=view.progress, resume=resume, say=view.say,
-                              overwrite=overwrite, history_limit=0, show_startup=verbose)
-            view.placement = dict(trainer.runtime.plan.moved)
-            view.say(f"{g.name}: {total} steps on the {backend} backend → {trainer.out}")
-            trainer.run()
-    except RuntimeFailure as e:
-        err_console.print(f"[bold red]run failed[/] {_escape(str(e))}")
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt:
-        err_console.print("[bold red]aborted[/] by a second signal: the steps since the last checkpoint are lost")
-        signum = trainer.stop_signal if trainer is not None else None
-        raise typer.Exit(143 if signum == signal.SIGTERM else 130) from None
-    except (OSError, ValueError) as e:
-        fail(f"{type(e).__name__}: {e}")
-    if trainer.stopped:
-        # the shell's convention for "ended by a signal": 128 + its number
-        raise typer.Exit(143 if trainer.stop_signal == signal.SIGTERM else 130)
-    console.print(f"[green]done[/]: metrics in {trainer.out / 'metrics.jsonl'}")
+app.command("run")(cli_run.run)
 
 
 @app.command()

@@ -11,50 +11,15 @@ Example::
 from __future__ import annotations
 
 import json
-import re
-from typing import Any, NoReturn, Optional
+from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+# ANSI, fail, parse_overrides and plain live in flowrl.cli_io; still importable from here
+from flowrl.cli_io import ANSI, console, err_console, fail, parse_overrides, plain, show
 from flowrl.errors import RuntimeFailure
 from flowrl.provenance.rundiff import FingerprintFileError, diff_runs
-
-
-def parse_overrides(items: list[str] | None) -> dict[str, Any]:
-    """``["trainer.steps=5", "data.batch_size=8"]`` → typed values (parsed as YAML scalars)."""
-    import yaml  # not for `flowrl --help`
-
-    out: dict[str, Any] = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise typer.BadParameter(f"--set {item!r}: write it as path.to.key=value", param_hint="--set")
-        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
-    return out
-
-
-#: colour codes inside messages (a Ray error carries them); never written off a terminal
-ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-
-
-def plain(text: str) -> str:
-    """``text`` as printed inside a rich message: colour codes dropped, markup characters escaped."""
-    return escape(ANSI.sub("", text))
-
-
-def fail(message: str, code: int = 1, err: Console | None = None, label: str = "") -> NoReturn:
-    """What every command does with a bad input: one line ``error <label><message>`` on stderr (``label``
-    is rich markup, ``message`` plain text), then exit ``code``, no traceback.
-
-    Example::
-
-        fail(f"--backend: {e}", code=2)
-    """
-    err = err or Console(stderr=True, soft_wrap=True)  # a message stays one line
-    err.print(f"[bold red]error[/] {label}{plain(message)}", highlight=False)
-    raise typer.Exit(code)
 
 
 def diff(
@@ -64,20 +29,19 @@ def diff(
 ) -> None:
     """Compare two runs node by node: the first (step, node, field) that differs while its inputs were
     equal, then how the difference spread. Exit 0 when they agree, 1 when they differ."""
-    out, err = Console(), Console(stderr=True, soft_wrap=True)  # a message stays one line
     warnings: list[str] = []
     try:
         report = diff_runs(run_a, run_b, warn=warnings.append)
     except FingerprintFileError as e:
         fail(str(e), 2)
     for w in warnings:
-        err.print(f"[yellow]warning[/] {escape(w)}", highlight=False)
+        err_console.print(f"[yellow]warning[/] {escape(w)}", highlight=False)
     if as_json:
         print(json.dumps(report, indent=2))
     else:
         from visualizer.diff import render_diff  # rich tables, imported when drawn: `flowrl --help` stays light
 
-        out.print(render_diff(report, run_a, run_b))
+        show(console, render_diff(report, run_a, run_b))
     raise typer.Exit(0 if report["same"] else 1)
 
 
@@ -98,16 +62,15 @@ def replay(
     from visualizer.replay import render_replay
 
     overrides = parse_overrides(set_)
-    err = Console(stderr=True, soft_wrap=True)
     try:
         report = replay_step(run, step, start, overrides, backend=backend,
-                             say=lambda m: err.print(escape(m), highlight=False))
+                             say=lambda m: err_console.print(escape(m), highlight=False))
     except RuntimeFailure as e:
         fail(str(e), 2)
     if as_json:
         print(json.dumps(report, indent=2))
     else:
-        Console().print(render_replay(report))
+        show(console, render_replay(report))
 
 
 __all__ = ["ANSI", "diff", "fail", "parse_overrides", "plain", "replay"]

@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from flowrl.cli_debug import fail
+from flowrl.cli_io import fail, show
 from flowrl.data.metrics import step_seconds
 from flowrl.graph import Graph, GraphError, load_graph
 from flowrl.plan.costfit import (calibrated, cores_for, fit_line, median_or_zero, metric_samples, node_samples,
@@ -317,7 +317,7 @@ def print_search(result: SearchResult, console: Console, top: int) -> None:
         table.add_row("shipped", "as given", f"{o.step_s:.3f}", "1.00×",
                       ", ".join(f"{p} {u:.0%}" for p, u in sorted(o.utilisation.items())), escape(_path_text(o)),
                       ", ".join(f"{p} {b / GIB:.2f} GiB" for p, b in sorted(o.memory.items())))
-    console.print(table)
+    show(console, table)  # piped: every configuration's full text, whatever the window
     console.print(f"[bold]best[/]: {escape(describe(result.best))}: {escape(why(result))}")
     if result.extrapolated:
         console.print("[yellow]these are predictions from extrapolated costs[/] (a budget beyond this machine or "

@@ -16,7 +16,7 @@ from flowrl.graph.checks import ParameterError, ParameterWarning, graph_check
 from operators.data.dataset import DatasetError, data_sources
 from operators.models import load_tokenizer
 from operators.rewards import (TASK_REWARDS, auto_reward_fn, compute_scores, extra_info_rows, extra_metrics,
-                               place_at_last_token, resolve_reward_fn)
+                               named_score_max, place_at_last_token, resolve_reward_fn)
 
 
 class Rule(Params):
@@ -36,7 +36,8 @@ RULE = dict(scope="row", node_name="reward", params=Rule, optional_inputs=("rewa
             inputs={"responses": "int64[B, R]", "response_mask": "int64[B, R]", "data_source": "object[B]",
                     "ground_truth": "object[B]", "extra_info": "object[B]", "reward_style": "object[B]",
                     "tokenizer": "meta"},
-            score="token_level_scores", dumped=("token_level_scores",), headline=("reward/mean",))
+            score="token_level_scores", dumped=("token_level_scores",), headline=("reward/mean",),
+            score_max=lambda p, graph: named_score_max(p.fn, str(graph["data"]["source"])))
 
 
 @operator("reward.rule", outputs={"token_level_scores": "float32[B, R]"}, **RULE, token_mask="response_mask")

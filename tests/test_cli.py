@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -24,7 +26,7 @@ def invoke(*args: str):
 
 def test_validate_ok_and_errors(tmp_path):
     ok = invoke("validate", "grpo")
-    assert ok.exit_code == 0 and "ok grpo: 4 nodes" in ok.output
+    assert ok.exit_code == 0 and "ok grpo: 4 nodes, 8 edges, 1 pool, 0 warnings" in ok.output  # not "1 pools"
     data = yaml.safe_load((ROOT / "graphs" / "ppo.yaml").read_text())
     data["nodes"]["advantage"]["op"] = "advantage.gea"
     data["nodes"]["values"]["inputs"] = {"responses": "respones"}
@@ -263,3 +265,116 @@ def test_export_names_the_tensors_that_do_not_fit(tmp_path):
     with pytest.raises(ExportError) as err:
         export_hf(wrong, graph, tmp_path / "b")
     assert "size mismatch for model.norm.weight" in str(err.value)
+
+
+def test_help_piped_writes_each_paragraph_on_one_line():
+    import inspect
+
+    from typer.main import get_command
+
+    res = piped("--help")
+    assert res.returncode == 0, res.stderr
+    lines = [line.strip() for line in res.stdout.splitlines()]
+    commands = get_command(app).commands
+    assert {"run", "diff", "replay", "plan"} <= set(commands)
+    for name, cmd in commands.items():
+        # the summary is the docstring's first paragraph, its source line breaks joined: whole on the command's row
+        first = " ".join(inspect.cleandoc(cmd.help or "").split("\n\n")[0].split())
+        row = next(line for line in lines if line.split()[:1] == [name])
+        said = row.split(None, 1)[1]  # click keeps the first sentence of a long summary: whole sentences only
+        assert first.startswith(said) and said.endswith("."), (name, row)
+        own = [line.strip() for line in piped(name, "--help").stdout.splitlines()]
+        assert first in own, (name, own)
+    options = piped("run", "--help").stdout.splitlines()
+    listen = next(line for line in options if line.strip().startswith("--ray-listen-all"))
+    assert "anyone who can reach an open Ray can run code as you" in listen
+
+
+def test_a_run_ends_with_a_summary_of_its_scores_checkpoint_and_next_commands(tmp_path):
+    out = tmp_path / "a run"  # a path with a space: the commands quote it
+    res = piped("run", "grpo", "--backend", "local", "--steps", "3", "--out", str(out), "--set", "data.batch_size=4",
+                "--set", "nodes.generate.n=2", "--set", "trainer.val_every=2")
+    assert res.returncode == 0, res.stderr
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    val = [(r["step"], r["val/reward/mean"]) for r in rows if "val/reward/mean" in r]
+    assert [s for s, _ in val] == [2, 3]
+    lines = [line.strip() for line in res.stdout.splitlines()]
+    # each validation is said when it is computed, with the maximum the reward declares
+    for step, score in val:
+        assert f"validation after step {step}: val/reward/mean {score:.4g} (of 1)" in lines
+    start = next(i for i, line in enumerate(lines) if line.startswith("done: 3 steps in "))
+    best_step, best = max(val, key=lambda v: v[1])
+    mean = sum(r["reward/mean"] for r in rows) / len(rows)
+    checkpoint = out / "checkpoints" / "step_00000003"
+    assert lines[start].endswith(f"→ {out}")
+    assert lines[start + 1:] == [
+        f"held-out val/reward/mean: {val[-1][1]:.4g} at step 3, best {best:.4g} at step {best_step}, "
+        f"of a maximum of 1",
+        f"reward/mean, mean of the last 3 steps: {mean:.4g}",
+        f"metrics: {out / 'metrics.jsonl'}",
+        f"checkpoint: {checkpoint}",
+        f"resume:  flowrl run grpo --out '{out}' --resume --steps 6",
+        f"export:  flowrl export '{out}' '{out / 'hf'}'",
+        f"compare: flowrl diff '{out}' OTHER_RUN_DIR",
+    ]
+    assert checkpoint.is_dir()
+    # the export it prints runs as printed, with one line of its own and no progress bars of transformers'
+    export = shlex.split(next(line for line in lines if line.startswith("export:")).split(":", 1)[1])
+    assert export[:2] == ["flowrl", "export"]
+    exported = piped(*export[1:])
+    assert exported.returncode == 0, exported.stderr
+    assert (out / "hf" / "config.json").is_file()
+    assert "Writing model shards" not in exported.stderr and "it/s]" not in exported.stderr
+    assert exported.stdout.count("\n") == 1 and exported.stdout.startswith("exported actor to ")
+
+
+def test_the_held_out_maximum_is_what_the_reward_declares():
+    from flowrl.cli_run import declared_score_max
+
+    assert declared_score_max(load_graph("grpo")) == 1.0
+    # grpo_tools: 1 for the exact answer + tool_reward_weight 1.0 × AddTool's reward 0.2
+    assert declared_score_max(load_graph("grpo_tools")) == pytest.approx(1.2)
+    assert declared_score_max(load_graph("grpo_tools", overrides={"nodes.reward.tool_reward_weight": 0.5,
+                                                                  "nodes.generate.tools": [{
+                                                                      "class_name": "operators.rollout.tools.AddTool",
+                                                                      "config": {"reward": 0.4}}]})) == 1.2
+    user = load_graph("grpo", overrides={"nodes.reward.fn": "tests.faulty_reward:compute_score"})
+    assert declared_score_max(user) is None  # a user's function: no maximum is claimed
+
+
+@pytest.mark.timeout(2400)  # the warm-up SFT alone took minutes at a load of 30 on 2 cores
+def test_a_run_waiting_on_an_uncached_warm_up_says_so_at_least_every_10_s(tmp_path):
+    import threading
+    import time
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "FORCE_COLOR", "NO_COLOR")}
+    # builtin:tiny-tools' warm-up SFT is cached by its recipe: an empty cache directory makes it run
+    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", COLUMNS="80", FLOWRL_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.Popen([sys.executable, "-m", "flowrl.cli", "run", "grpo_tools", "--backend", "local",
+                             "--steps", "1", "--out", str(tmp_path / "run"), "--set", "data.batch_size=2",
+                             "--set", "nodes.generate.n=2", "--set", "trainer.val_every=0"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[tuple[float, str]] = []  # each line with when it came through the pipe
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line.rstrip("\n")))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        assert proc.wait(timeout=1800) == 0, "\n".join(text for _, text in lines)
+    finally:
+        proc.kill()
+    reader.join(timeout=10)
+    header = next(t for t, text in lines if text.startswith("grpo_tools: 1 steps"))
+    first = next(t for t, text in lines if text.startswith("step 1/1"))
+    progress = [text for t, text in lines if header <= t <= first and text.startswith("… ")]
+    waited = first - header
+    assert (tmp_path / "cache").is_dir()  # the warm-up ran, and cached its weights for the next run
+    assert len(progress) >= int(waited // 10), (waited, lines)
+    # the longest wait is the workers building their roles: the model named, its seconds counting up about
+    # every 10 s (a tick comes up to a few seconds late on a loaded machine; the schedule does not slip)
+    building = [text for text in progress if "actor (builtin:tiny-tools)" in text]
+    seconds = [int(text.rsplit(": ", 1)[1].removesuffix(" s")) for text in building]
+    assert len(seconds) >= 2 and all(0 < b - a <= 15 for a, b in zip(seconds, seconds[1:])), building

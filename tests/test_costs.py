@@ -171,13 +171,13 @@ def test_a_sync_and_an_all_reduce_are_priced_by_the_bytes_they_move():
     assert s[("update_actor", None)] == pytest.approx(0.001 * 128 + 0.01 + 4e6 * 1e-9)
 
 
-def test_every_step_logs_the_plans_prediction_and_warns_naming_the_node_that_drifted(tmp_path):
+def test_every_step_logs_the_plans_prediction_and_a_lasting_drift_is_warned_once_naming_the_node(tmp_path):
     g = load_graph("grpo")
     plan = make_plan(g)
     save_costs(cost_file(g, generate=NodeCost(per_row_s=0.001), update_actor=NodeCost(per_row_s=0.002)),
                tmp_path / "costs.json")
     said: list[str] = []
-    check = PlanCheck(plan, tmp_path, say=said.append)
+    check = PlanCheck(plan, tmp_path, say=said.append, load=lambda: 0.5, cores=2)
     predicted = 0.001 * 256 + 0.002 * 256
     ok = check.observe({"step": 1, "timing/step": predicted, "timing/generate": 0.256, "timing/update_actor": 0.512})
     assert ok["plan/predicted_step_s"] == pytest.approx(predicted) and ok["plan/error"] == pytest.approx(0.0)
@@ -185,9 +185,46 @@ def test_every_step_logs_the_plans_prediction_and_warns_naming_the_node_that_dri
     slow = {"step": 2, "timing/interval": predicted + 0.4, "timing/generate": 0.656, "timing/update_actor": 0.512}
     out = check.observe(slow)
     assert out["plan/error"] == pytest.approx(0.4 / predicted)
-    assert len(said) == 1 and "'generate'" in said[0]
-    check.observe({**slow, "step": 3})
-    assert len(said) == 1  # once per node
+    calm = {"timing/interval": predicted, "timing/generate": 0.256, "timing/update_actor": 0.512}
+    for step in (3, 4, 5):  # the calm steps the run's spread is judged from
+        check.observe({**calm, "step": step})
+    check.observe({**slow, "step": 6})
+    check.observe({**calm, "step": 7})
+    assert said == []  # one slow step between calm ones: noise, not drift
+    for step in (8, 9):
+        check.observe({**slow, "step": step})
+    assert said == [] and check.observe({**slow, "step": 10})["plan/error"] == pytest.approx(0.4 / predicted)
+    assert len(said) == 1 and "'generate'" in said[0] and "3 steps in a row" in said[0]  # PERSIST = 3
+    for step in range(11, 15):
+        check.observe({**slow, "step": step})
+    assert len(said) == 1  # once per run
+
+
+def test_a_drift_on_a_loaded_machine_goes_to_the_log_with_the_load(tmp_path):
+    g = load_graph("grpo")
+    plan = make_plan(g)
+    said, logged = [], []
+    check = PlanCheck(plan, tmp_path, say=said.append, log=logged.append, load=lambda: 7.5, cores=2)
+    row = {"timing/step": 1.0, "timing/generate": 0.25, "timing/update_actor": 0.75}
+    for step in range(1, 6):  # the first warms up; 2-5 are the baseline, within 2% of each other
+        check.observe({**row, "step": step, "timing/step": 1.0 + 0.01 * (step % 2)})
+    for step in range(6, 10):  # a lasting slowdown of the update: 3 s a step
+        check.observe({"step": step, "timing/step": 3.0, "timing/generate": 0.25, "timing/update_actor": 2.75})
+    assert said == [] and len(logged) == 1
+    assert "'update_actor'" in logged[0] and "7.5" in logged[0] and "2 cores" in logged[0]
+
+
+def test_a_slowdown_within_the_runs_own_spread_is_not_drift(tmp_path):
+    plan = make_plan(load_graph("grpo"))
+    said: list[str] = []
+    check = PlanCheck(plan, tmp_path, say=said.append, load=lambda: 0.1, cores=2)
+    # a noisy machine: steps of 0.6-1.4 s around 1 s (a median absolute deviation of 20%)
+    for step, secs in enumerate([1.0, 1.0, 0.6, 1.4, 1.0, 0.8, 1.2, 1.0, 1.4, 0.6, 1.0], 1):
+        check.observe({"step": step, "timing/step": secs, "timing/generate": 0.25 * secs,
+                       "timing/update_actor": 0.75 * secs})
+    for step in range(12, 16):  # +50% for four steps: inside 4 deviations of this run's own steps
+        check.observe({"step": step, "timing/step": 1.5, "timing/generate": 0.375, "timing/update_actor": 1.125})
+    assert said == []
 
 
 def test_without_a_cost_file_the_prediction_comes_from_the_steps_before(tmp_path):
@@ -198,6 +235,38 @@ def test_without_a_cost_file_the_prediction_comes_from_the_steps_before(tmp_path
     assert check.observe({**row, "step": 2}) == {}
     out = check.observe({**row, "step": 3})
     assert out["plan/predicted_step_s"] == pytest.approx(1.0) and out["plan/error"] == pytest.approx(0.0)
+
+
+def _plan_check_lines(tmp_path, slow: dict) -> list[str]:
+    """The plan check's warnings of a 12-step local run whose ``slow`` node waits on the steps it is told:
+    on the terminal or, the machine loaded, in the run's log."""
+    import yaml
+
+    from flowrl.run.trainer import Trainer
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "graphs" / "grpo.yaml").read_text())
+    data["nodes"]["slow"] = {"op": "tests.userpkg.slow:slow_steps", **slow}
+    del data["nodes"]["advantage"]["inputs"]  # it reads the slow node's token_level_rewards
+    data["data"]["batch_size"] = 4
+    data["nodes"]["generate"]["n"] = 2
+    data["trainer"].update(val_every=0, checkpoint_every=0)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump(data))
+    said: list[str] = []
+    trainer = Trainer(load_graph(str(path)), backend="local", steps=12, out=tmp_path / "run", say=said.append)
+    trainer.run()
+    log = trainer.log_path.read_text() if trainer.log_path.is_file() else ""
+    return [m for m in said + log.splitlines() if "plan check:" in m]
+
+
+def test_one_slow_step_of_a_run_is_not_warned_and_a_lasting_slowdown_is(tmp_path):
+    # every step waits 1 s, which a loaded machine cannot stretch (the rest of a step takes a fraction of one,
+    # which it can, by half at a load of 18 on 2 cores); 3 s more is a slowdown far past that noise
+    one = {"base_seconds": 1.0, "seconds": 3.0}
+    assert _plan_check_lines(tmp_path / "one", {**one, "steps": [7]}) == []
+    lasting = _plan_check_lines(tmp_path / "lasting", {**one, "from_step": 7})
+    assert len(lasting) == 1 and "3 steps in a row" in lasting[0] and "'slow'" in lasting[0]
 
 
 def test_profile_refuses_a_directory_that_is_not_a_run(tmp_path):

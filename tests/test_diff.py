@@ -50,8 +50,10 @@ def test_one_parameter_of_one_node_is_found_at_that_node_with_its_inputs_equal(r
     assert spread["update_actor"]["first_step"] == 1 and spread["update_actor"]["fields"] == ["weights"]
     assert spread["generate"]["first_step"] == 2
     # the table says the same, and diff changed nothing of the run
-    table = CliRunner().invoke(app, ["diff", str(runs["a"]), str(runs["std"])])
+    table = CliRunner().invoke(app, ["diff", str(runs["a"]), str(runs["std"])], env={"COLUMNS": "80"})
     assert table.exit_code == 1 and "advantage" in table.output
+    lines = table.output.splitlines()  # piped: every metric's whole name on one row, past 80 columns if need be
+    assert f["metrics"] and all(any(m["metric"] in line for line in lines) for m in f["metrics"]), table.output
     assert before == {p: p.read_bytes() for p in runs["a"].iterdir() if p.is_file()}
 
 

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from flowrl.graph import load_graph
-from visualizer.live import LiveView, pool_busy, sparkline
+from visualizer.live import LiveView, Waits, pool_busy, sparkline
 
 
 def test_sparkline_scales_to_the_range():
@@ -42,6 +42,55 @@ def test_non_tty_output_is_plain_and_throttled():
         "step 50/50  reward/mean 0.49  timing/step 0.1",
     ]
     assert "\x1b[" not in out.getvalue()  # no escape codes in a log
+
+
+def test_a_wait_gets_a_line_after_5_s_then_every_10_s_and_a_new_wait_starts_again():
+    now = [100.0]
+    said: list[str] = []
+    waits = Waits(said.append, clock=lambda: now[0])
+    waits.close()  # its thread stops: the ticks below are the test's
+    waits.begin("starting Ray")
+    lines = []
+    for t in range(0, 31):  # a tick every second for 30 s
+        now[0] = 100.0 + t
+        lines.append(waits.tick())
+    assert [(t, line) for t, line in enumerate(lines) if line] == [
+        (5, "… starting Ray: 5 s"), (15, "… starting Ray: 15 s"), (25, "… starting Ray: 25 s")]
+    now[0] = 132.0
+    waits.begin("step 1/3")  # the next wait keeps the rhythm: its first line at 135 s, with its own 3 s
+    assert waits.tick() is None
+    now[0] = 135.5
+    assert waits.tick() == "… step 1/3: 4 s"
+    now[0] = 157.0  # a tick 11.5 s late (a loaded machine): one line, and the schedule goes on at 165 s
+    assert waits.tick() == "… step 1/3: 25 s" and waits.tick() is None
+    now[0] = 165.0
+    assert waits.tick() == "… step 1/3: 33 s"
+    waits.end()
+    now[0] += 60
+    assert waits.tick() is None
+    waits.begin("step 2/3")  # after a pause, a new wait's first line comes after 5 s
+    now[0] += 4.9
+    assert waits.tick() is None
+    now[0] += 0.1
+    assert waits.tick() == "… step 2/3: 5 s"
+
+
+def test_validation_scores_are_said_as_they_come_with_the_declared_maximum():
+    g = load_graph("grpo_tools")
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=80)
+    with LiveView(g, total_steps=4, console=console, min_interval_s=3600) as view:
+        view.score_max = 1.2
+        for step in range(4):
+            row = {"reward/mean": 0.25 * step, "timing/step": 0.1}
+            if step % 2 == 1:
+                row["val/reward/mean"] = 0.5 + 0.25 * step
+            view.step(step, row)
+    assert view.headline == "reward/mean" and view.val_metric == "val/reward/mean"
+    assert view.val_scores == [(2, 0.75), (4, 1.25)] and view.recent == [0.0, 0.25, 0.5, 0.75]
+    said = [line for line in out.getvalue().splitlines() if line.startswith("validation")]
+    assert said == ["validation after step 2: val/reward/mean 0.75 (of 1.2)",
+                    "validation after step 4: val/reward/mean 1.25 (of 1.2)"]
 
 
 def test_terminal_view_shows_states_durations_and_metrics():

@@ -4,13 +4,18 @@ and bad inputs give one clear message each."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import yaml
 from typer.testing import CliRunner
 
 from flowrl.cli import app
 from flowrl.graph import load_graph
-from flowrl.plan.costs import GIB, CostFile, NodeCost, RoleMemory, Transfer, graph_key, save_costs
+from flowrl.plan.costs import GIB, CostFile, NodeCost, RoleMemory, Transfer, graph_key, load_costs, save_costs
 from flowrl.plan.planner import make_plan
 from flowrl.plan.search import Budget, SearchError, candidates, describe, search, set_partitions
 from flowrl.plan.simulate import simulate_steps
@@ -148,6 +153,27 @@ def test_the_cli_ranks_writes_the_best_and_refuses_bad_inputs(tmp_path):
         assert res.exit_code == 1, (what, res.output)
         assert "Traceback" not in res.output and res.output.count("error") == 1, (what, res.output)
         assert isinstance(res.exception, SystemExit), what
+
+
+def test_the_search_piped_to_a_file_shows_every_configuration_whole(tmp_path):
+    g = load_graph("grpo_async")
+    path = save_costs(synthetic(g, {"generate": GEN, "update_actor": UPD}, params=100_000_000), tmp_path / "costs.json")
+    ranked = search(g, builder("grpo_async"), load_costs(path, g), Budget(cpus=2, max_staleness=1)).ranked
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": str(root)}
+    out = tmp_path / "search.txt"
+    with out.open("w") as f:  # a file, as `flowrl plan ... --search > search.txt` writes it
+        proc = subprocess.run([sys.executable, "-m", "flowrl.cli", "plan", "grpo_async", "--search", "--costs",
+                               str(path), "--cpus", "2", "--max-staleness", "1"], cwd=root, env=env, stdout=f,
+                              stderr=subprocess.PIPE, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = out.read_text().splitlines()
+    shown = ranked[:10]
+    assert len(shown) >= 3
+    for o in shown:  # each configuration's whole text on one row, past the 80 columns of the window
+        assert any(describe(o) in line for line in lines), (describe(o), lines)
+    assert max(len(line) for line in lines) > 80
+    assert "…" not in out.read_text()
 
 
 def test_describe_names_pools_workers_and_schedule():

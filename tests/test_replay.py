@@ -92,6 +92,12 @@ def test_replay_without_overrides_gives_the_logged_numbers_and_changes_nothing_o
     report = json.loads(res.stdout)
     assert report["nodes"] == ["advantage", "reward", "update_actor"] and report["same"]
     assert {r["metric"] for r in report["metrics"]} >= {"reward/mean", "actor/pg_loss"}
+    table = CliRunner().invoke(app, ["replay", str(run), "--step", "2", "--from", "reward", "--backend", "local"],
+                               env={"COLUMNS": "80"})
+    assert table.exit_code == 0, table.output
+    lines = table.output.splitlines()  # piped: every metric's whole name and both values on one row
+    for r in report["metrics"]:
+        assert any(r["metric"] in line and f"{r['run']:.6g}" in line for line in lines), (r, table.output)
     assert _files(run) == before
 
 

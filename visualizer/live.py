@@ -17,8 +17,9 @@ Example::
 
 from __future__ import annotations
 
+import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -38,6 +39,8 @@ SPARKS = "▁▂▃▄▅▆▇█"
 
 #: values a sparkline shows
 SPARK_POINTS = 24
+#: steps the closing summary averages the headline metric over (the README's "last-25" reward)
+RECENT = 25
 
 
 def sparkline(values: list[float], width: int = SPARK_POINTS) -> str:
@@ -78,8 +81,65 @@ def plan_line(row: dict[str, float]) -> str | None:
     return out
 
 
+class Waits:
+    """A line for every wait longer than ``first_s``: what the run is waiting on and for how long, again every
+    ``every_s`` while it lasts, from a thread of its own (the waiting thread is busy or blocked).
+
+    Example::
+
+        waits = Waits(print)
+        waits.begin("starting the workers")   # after 5 s: "… starting the workers: 5 s", then every 10 s
+        waits.begin("waiting for step 1/300")  # a new wait ends the one before
+        waits.close()
+    """
+
+    def __init__(self, say: Callable[[str], None], first_s: float = 5.0, every_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.say, self.first_s, self.every_s, self.clock = say, first_s, every_s, clock
+        self.label: str | None = None
+        self.since = self.next = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flowrl-waits", daemon=True)
+        self._thread.start()
+
+    def begin(self, label: str) -> None:
+        """A new wait (ending the one before, whose rhythm it keeps: a line at least every ``every_s``)."""
+        with self._lock:
+            now = self.clock()
+            first = now + self.first_s
+            self.next = min(self.next, first) if self.label is not None else first
+            self.label, self.since = label, now
+
+    def end(self) -> None:
+        """Nothing is being waited on."""
+        with self._lock:
+            self.label = None
+
+    def tick(self) -> str | None:
+        """The line due now, if any (the thread calls it twice a second)."""
+        with self._lock:
+            now = self.clock()
+            if self.label is None or now < self.next:
+                return None
+            while self.next <= now:  # on the schedule, however late this tick came (a loaded machine)
+                self.next += self.every_s
+            return f"… {self.label}: {now - self.since:.0f} s"
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            line = self.tick()
+            if line is not None:
+                self.say(line)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
 class LiveView:
-    """Shows a run; feed it ``progress(step, states)`` and ``step(step, row)``."""
+    """Shows a run; feed it ``progress(step, states)`` and ``step(step, row)``, and ``wait(label)`` for what
+    it waits on between them (start-up, the next step)."""
 
     def __init__(self, graph: Graph, total_steps: int, console: Console | None = None, start_step: int = 0,
                  min_interval_s: float = 2.0) -> None:
@@ -103,21 +163,42 @@ class LiveView:
         self.placement: dict[str, str] = {}  # stateless nodes the plan runs in a pool (set by the caller)
         self._live: Live | None = None
         self.fired: dict[str, str] = {}  # node → the invariant that fired there (kept marked for the run)
+        self.waits: Waits | None = None
+        #: the highest held-out score (``Graph``'s scorer declares it: ``score_max``), when known
+        self.score_max: float | None = None
+        scorer = graph.scorer()
+        scored = graph.nodes[scorer[0]].op.headline[:1] if scorer is not None else ()
+        #: the metric the summary averages over the last steps (the scoring node's first headline: the reward),
+        #: and the held-out one validation reports
+        self.headline = scored[0] if scored else None
+        self.val_metric = f"val/{scored[0]}" if scored else None
+        self.recent: list[float] = []  # the headline of the last RECENT steps
+        self.val_scores: list[tuple[int, float]] = []  # (step, held-out score) as validation ran
+        self.steps_done = 0
 
     # ------------------------------------------------------------------ lifecycle
     def __enter__(self) -> "LiveView":
+        self.waits = Waits(self.say)
         if self.interactive:
             self._live = Live(self.render(), console=self.console, refresh_per_second=4, transient=False)
             self._live.__enter__()
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if self.waits is not None:
+            self.waits.close()
+            self.waits = None
         if self._live is not None:
             self._live.update(self.render())
             self._live.__exit__(*exc)
             self._live = None
 
     # ------------------------------------------------------------------ feeding
+    def wait(self, label: str) -> None:
+        """What the run waits on now (``starting Ray``, ``step 3/300``): a line if it lasts past 5 s."""
+        if self.waits is not None:
+            self.waits.begin(label)
+
     def progress(self, step: int, states: dict[str, str]) -> None:
         """Node states of the step in progress (from the scheduler)."""
         self.current = step
@@ -128,6 +209,7 @@ class LiveView:
     def step(self, step: int, row: dict[str, float]) -> None:
         """A finished step's metrics."""
         self.last_row = row
+        self._note(step + 1, row)
         for k, v in row.items():
             values = self.history.setdefault(k, [])
             values.append(v)
@@ -137,6 +219,10 @@ class LiveView:
             if f"timing/{node}" in row:
                 self.durations[node] = row[f"timing/{node}"]
         done = step + 1
+        if done < self.total:
+            self.wait(f"step {done + 1}/{self.total}")
+        elif self.waits is not None:
+            self.waits.end()
         now_wall = time.time()
         if self._first_done is None:
             self._first_done = (done, now_wall)
@@ -154,6 +240,21 @@ class LiveView:
         if first or last or now - self._last_print >= self.min_interval_s:
             self._last_print = now
             self.console.print(self.line(done, row), highlight=False, soft_wrap=True)
+
+    def _note(self, done: int, row: dict[str, float]) -> None:
+        """What the closing summary needs, and a validation's scores said as they come."""
+        self.steps_done = max(self.steps_done, done)
+        if self.headline in row:
+            self.recent = [*self.recent[-(RECENT - 1):], row[self.headline]]
+        val = {k: v for k, v in row.items() if k.startswith("val/") and isinstance(v, (int, float))}
+        if not val:
+            return
+        if self.val_metric in val:
+            self.val_scores.append((done, val[self.val_metric]))
+        of = f" (of {self.score_max:.4g})" if self.score_max is not None else ""
+        shown = [k for k in self.shown if k in val] or sorted(val)
+        self.say(f"validation after step {done}: " + "  ".join(
+            f"{k} {val[k]:.4g}{of if k == self.val_metric else ''}" for k in shown))
 
     def say(self, message: str) -> None:
         """A message above the live view (or a plain line); an invariant's marks its node."""

@@ -121,6 +121,7 @@ def operator(
     token_mask: str | None = None,
     headline: tuple[str, ...] = (),
     tokens: TokenMetrics | None = None,
+    score_max: Callable[[Any, Mapping[str, Any]], float | None] | None = None,
     register: bool = True,
 ) -> Callable[[Callable[..., Any]], Operator]:
     """Declare (and register) an operator; see the module docstring.
@@ -149,7 +150,10 @@ def operator(
     its float fields of that shape summarise those tokens only. ``headline`` names the
     metrics it reports that a person watches during a run (the live view shows
     them, in the graph's order); ``tokens`` which of them count the tokens it
-    generated per row (:class:`TokenMetrics`: throughput, profiles).
+    generated per row (:class:`TokenMetrics`: throughput, profiles). ``score_max(params, graph)`` says
+    the highest its ``score`` can be, given its parameters and the graph's config dump (the tools another
+    node calls), or None where it cannot know (a user's reward function): what a run's summary measures
+    held-out scores against.
     """
     if scope not in SCOPES:
         raise OperatorDeclarationError(f"operator {name!r}: scope must be one of {SCOPES}, not {scope!r}")
@@ -184,6 +188,9 @@ def operator(
     if tokens is not None and not isinstance(tokens, TokenMetrics):
         raise OperatorDeclarationError(f"operator {name!r}: tokens is a TokenMetrics(mean=..., max=...), "
                                        f"not {tokens!r}")
+    if score_max is not None and (score is None or not callable(score_max)):
+        raise OperatorDeclarationError(f"operator {name!r}: score_max is a function (params, graph) -> float "
+                                       f"or None, declared with score=")
     if updates_role and not role:
         raise OperatorDeclarationError(f"operator {name!r}: updates_role needs a role")
 
@@ -223,6 +230,7 @@ def operator(
             token_mask=token_mask,
             headline=tuple(headline),
             tokens=tokens,
+            score_max=score_max,
         )
         if register:
             REGISTRY.add_operator(spec)

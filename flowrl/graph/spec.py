@@ -107,6 +107,8 @@ class OperatorSpec:
     token_mask: str | None = None  # the input or output whose ones mark a row's real tokens (fingerprint statistics)
     headline: tuple[str, ...] = field(default=())  # metrics a person watches (the live view), in order
     tokens: "TokenMetrics | None" = None  # the metrics that count the tokens it generated per row
+    #: the highest ``score`` can be, from the node's parameters and the graph's config dump (None: unknown)
+    score_max: "Callable[[Any, Mapping[str, Any]], float | None] | None" = field(default=None, hash=False)
 
     def expansion(self, params: Params | None) -> int:
         """How many output rows each input row becomes (``n`` samples per prompt), else 1."""

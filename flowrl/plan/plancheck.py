@@ -6,9 +6,16 @@ for this graph; otherwise from the node times this run measured so far (each
 node's median ``timing/<node>`` over the steps before), so the number checks the
 schedule's prediction even where nobody profiled. ``plan/error`` is
 ``measured / predicted - 1`` with the measured seconds per step the interval
-between finished steps. When it passes 25% (after the first step, which warms
-up), a warning names the node whose measured time drifted most from its
-predicted time, once per node.
+between finished steps.
+
+A warning is for a drift that lasts, not for one slow step on a busy machine: a
+step drifts when its error passes 25% and also passes what the run's own steps
+spread (:data:`SPREAD` times the median absolute deviation of the calm steps'
+seconds over their median); after :data:`PERSIST` drifting steps in a row, the
+run is warned once, naming the node whose measured time drifted most from its
+predicted time. On a loaded machine (a load average over its cores) the warning
+names the load and goes to the run's log instead of the terminal: the machine,
+not the plan, is the likely cause.
 
 Example::
 
@@ -19,6 +26,7 @@ Example::
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,16 +36,41 @@ from flowrl.plan.costs import COST_FILE, CostFile, CostFileError, load_costs, ta
 from flowrl.plan.planner import Plan, TaskKey
 from flowrl.plan.simulate import bounds_of, seconds_per_step, spread
 
-#: relative error past which the node that drifted most is named
+#: relative error past which a step drifts (when the run's own steps spread less)
 DRIFT = 0.25
+#: drifting steps in a row before the run is warned (once)
+PERSIST = 3
+#: a step drifts past this many median absolute deviations of the calm steps' seconds (relative to their median)
+SPREAD = 4.0
 STEPS = 8
+
+
+def load_average() -> float | None:
+    """The machine's load average over the last minute (None where the system does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def relative_spread(seconds: list[float]) -> float:
+    """The median absolute deviation of ``seconds`` over their median (0 for fewer than three)."""
+    if len(seconds) < 3:
+        return 0.0
+    mid = statistics.median(seconds)
+    return statistics.median(abs(s - mid) for s in seconds) / mid if mid > 0 else 0.0
 
 
 class PlanCheck:
     """Predicted against measured seconds per step, for a run of ``plan`` writing into ``out``."""
 
-    def __init__(self, plan: Plan, out: Path, say: Callable[[str], None]) -> None:
-        self.plan, self.say = plan, say
+    def __init__(self, plan: Plan, out: Path, say: Callable[[str], None],
+                 log: Callable[[str], None] | None = None,
+                 load: Callable[[], float | None] = load_average, cores: int | None = None) -> None:
+        """``say``: the terminal; ``log``: the run's log, where a warning goes when the machine is loaded
+        (``load()`` past ``cores``, default this machine's)."""
+        self.plan, self.say, self.log = plan, say, log
+        self.load, self.cores = load, cores or os.cpu_count() or 1
         self.costs: CostFile | None = None
         path = Path(out) / COST_FILE
         if path.is_file():
@@ -46,7 +79,9 @@ class PlanCheck:
             except CostFileError as e:
                 say(f"plan check: not using {path}: {e}")
         self.seen: list[dict[str, float]] = []  # the timing/<node> of the steps so far (the first left out)
-        self.warned: set[str] = set()
+        self.calm: list[float] = []  # the seconds of the steps that did not drift (the first left out)
+        self.streak: list[tuple[float, str]] = []  # the drifting steps in a row: error, the node drifting most
+        self.warned = False
         self.steps = 0
 
     @staticmethod
@@ -76,22 +111,49 @@ class PlanCheck:
         prediction = self.predicted()
         measured = step_seconds(row)
         nodes = {n: row[f"timing/{n}"] for n in self.plan.graph.nodes if f"timing/{n}" in row}
-        if self.steps > 1 and nodes:  # the first step warms up: it predicts nothing for later ones
-            self.seen.append({f"timing/{n}": s for n, s in nodes.items()})
+        # the first step warms up: it predicts nothing for later ones and is not judged; a drifting step
+        # stays out of the prediction, so a lasting slowdown is warned rather than learned
+        judged = self.steps > 1 and bool(nodes)
         if prediction is None or not measured:
+            if judged:
+                self.seen.append({f"timing/{n}": s for n, s in nodes.items()})
             return {}
         step_s, per_node, critical = prediction
         error = measured / step_s - 1.0 if step_s > 0 else 0.0
-        if self.steps > 1 and abs(error) > DRIFT and nodes:
-            node = max(nodes, key=lambda n: abs(nodes[n] - per_node.get(n, 0.0)))
-            if node not in self.warned:
-                self.warned.add(node)
-                where = "the cost file" if self.costs is not None else "the steps before"
-                self.say(f"plan check: step {row.get('step', self.steps)} took {measured:.3g}s, {error:+.0%} off "
-                         f"the predicted {step_s:.3g}s; node {node!r} drifted most ({nodes[node]:.3g}s measured, "
-                         f"{per_node.get(node, 0.0):.3g}s predicted from {where}); profile again with "
-                         f"`flowrl profile` if this persists")
+        if judged and not self._drifts(row.get("step", self.steps), measured, step_s, error, nodes, per_node):
+            self.seen.append({f"timing/{n}": s for n, s in nodes.items()})
         return {"plan/predicted_step_s": step_s, "plan/error": error, "plan/predicted_critical_path_s": critical}
 
+    def _drifts(self, step: int, measured: float, step_s: float, error: float, nodes: dict[str, float],
+                per_node: dict[str, float]) -> bool:
+        """Whether the step drifts: off the prediction by more than DRIFT and than the calm steps spread, once
+        there are enough calm steps to know their spread. The run is warned once, when PERSIST steps in a row
+        drifted with the same node drifting most (a slow step then a burst of the machine's load is not one
+        drift)."""
+        if len(self.calm) < PERSIST or abs(error) <= max(DRIFT, SPREAD * relative_spread(self.calm)):
+            self.calm.append(measured)
+            self.streak.clear()
+            return False
+        node = max(nodes, key=lambda n: abs(nodes[n] - per_node.get(n, 0.0)))
+        if self.streak and self.streak[-1][1] != node:
+            self.streak.clear()
+        self.streak.append((error, node))
+        if self.warned or len(self.streak) < PERSIST:
+            return True
+        self.warned = True
+        where = "the cost file" if self.costs is not None else "the steps before"
+        errors = ", ".join(f"{e:+.0%}" for e, _ in self.streak)
+        message = (f"plan check: {len(self.streak)} steps in a row off the predicted {step_s:.3g}s/step ({errors}; "
+                   f"step {step} took {measured:.3g}s); node {node!r} drifted most ({nodes[node]:.3g}s measured, "
+                   f"{per_node.get(node, 0.0):.3g}s predicted from {where}); profile again with `flowrl profile` "
+                   f"if this persists")
+        load = self.load()
+        if load is not None and load > self.cores and self.log is not None:
+            self.log(f"{message} (the machine's load average was {load:.1f} on {self.cores} cores: "
+                     f"the load may be the cause)")
+        else:
+            self.say(message)
+        return True
 
-__all__ = ["DRIFT", "PlanCheck"]
+
+__all__ = ["DRIFT", "PERSIST", "SPREAD", "PlanCheck", "load_average", "relative_spread"]

@@ -61,7 +61,7 @@ from flowrl.runtime.steps import StepHook
 from flowrl.store.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
                                      fingerprint, worker_counts)
 from flowrl.store.rundir import RunDirectory, run_dir_of
-from flowrl.store.runlog import RUN_LOG, record_failure
+from flowrl.store.runlog import RUN_LOG, log_note, record_failure
 
 #: task records kept in the driver when no trace is written (a few steps' worth: memory stays flat)
 TIMELINE_RECORDS = 1_000
@@ -86,8 +86,11 @@ class Trainer:
         overwrite: bool = False,
         history_limit: int | None = None,
         show_startup: bool = False,
+        on_wait: Callable[[str], None] | None = None,
     ) -> None:
-        """``show_startup``: after the first step, ``say`` the start-up timeline (``flowrl run -v``)."""
+        """``show_startup``: after the first step, ``say`` the start-up timeline (``flowrl run -v``);
+        ``on_wait``: told what the run waits on before its first step (the workers starting, the first step),
+        so a long wait is said as it lasts (:class:`visualizer.live.Waits`)."""
         self.graph = graph
         cfg = graph.config
         self.steps = steps if steps is not None else cfg.trainer.steps
@@ -112,9 +115,12 @@ class Trainer:
         if self.trace is None:
             self.runtime.timeline.keep_last(TIMELINE_RECORDS)
         self.resuming, self.say, self.overwrite = resume, say, overwrite
+        self.on_wait = on_wait or (lambda label: None)
         #: the signal that stopped the run gracefully (``signal.SIGINT`` or ``signal.SIGTERM``), if any
         self.stop_signal: int | None = None
         self.stopped = False
+        #: the checkpoint this run saved last (None before its first)
+        self.last_checkpoint: Path | None = None
         #: the metrics rows of this run (the last ``history_limit``)
         self.history: list[dict[str, float]] = []
         self.sinks = MetricsSinks(self.out, cfg, say, self.history, history_limit)
@@ -127,7 +133,8 @@ class Trainer:
         # rows a step generates: prompts × the largest expansion (n samples per prompt)
         samples = cfg.data.batch_size * max(sp.factor for sp in plan.spaces.values())
         tokens = self.graph.token_metrics()  # the operator that generates says which metric counts tokens
-        timing = Timing(samples, PlanCheck(plan, self.out, self.say), tokens.mean if tokens is not None else None)
+        check = PlanCheck(plan, self.out, self.say, log=lambda message: log_note(self.log_path, message))
+        timing = Timing(samples, check, tokens.mean if tokens is not None else None)
         hooks: list[StepHook] = [timing, self.sinks]
         if cfg.trainer.fingerprints:
             hooks.append(Fingerprints(self.out, self.graph, plan, self.say))
@@ -161,8 +168,12 @@ class Trainer:
 
     def _run(self) -> list[dict[str, float]]:
         self.runtime.hooks[:] = self.hooks
+        self.on_wait(self._starting())
         self.runtime.start()  # ray.init installs a SIGTERM handler of its own: ours go in after it
+        if self.resuming:
+            self.on_wait("loading the newest checkpoint")
         start = self.resume() if self.resuming else self._rewind(0)
+        self.on_wait(f"step {start + 1}/{self.steps}: the first of this run")
         (self.out / "config.yaml").write_text(yaml.safe_dump(self.graph.config.dump(), sort_keys=False))
         restore_signals = self._install_signals()
         done = saved = start - 1
@@ -189,6 +200,17 @@ class Trainer:
             self.say(f"stopped after step {done + 1}; checkpoint saved, continue with --resume")
         return self.history
 
+    def _starting(self) -> str:
+        """What starting the workers waits on: their processes and the roles they build (loading models,
+        a model's warm-up, a rollout engine)."""
+        roles = self.graph.config.dump().get("roles") or {}
+        pools = self.graph.config.pools
+        workers = sum(p.workers for p in pools.values())
+        built = ", ".join(f"{name} ({spec['model']})" if isinstance(spec, dict) and spec.get("model") else name
+                          for name, spec in roles.items())
+        return (f"starting {workers} worker process{'es' if workers != 1 else ''} and building the roles "
+                f"{built}: loading models, warm-ups, engines")
+
     def _checkpointed(self, step: int) -> bool:
         """Whether 0-based ``step`` ends with a checkpoint: every ``trainer.checkpoint_every`` steps, and the
         last (a run always leaves a model)."""
@@ -214,6 +236,7 @@ class Trainer:
         meta = {"graph": fingerprint(dump), "workers": worker_counts(dump), "name": self.graph.name,
                 "saved_at": time.time()}
         path = self.store.save(step, payload, meta)
+        self.last_checkpoint = path
         self.say(f"checkpoint: {path}")
 
     def has_checkpoint(self) -> bool:

@@ -86,6 +86,17 @@ def _append(stream: Any, text: str) -> None:
         pass
 
 
+def log_note(log: Path, message: str) -> None:
+    """Append one timestamped line to the run's log: what the run says to whoever reads the log rather than
+    the terminal (a plan check's warning on a loaded machine)."""
+    try:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "a", encoding="utf-8") as f:
+            f.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {message}\n")
+    except OSError:
+        pass  # a note, not the run: a full disk loses the note only
+
+
 def log_offset(log: Path | None) -> int:
     """Where this run's part of ``log`` starts (the log is appended to across resumed runs)."""
     try:
@@ -135,5 +146,5 @@ def record_failure(log: Path | None, exc: BaseException) -> BaseException:
     return exc
 
 
-__all__ = ["KNOWN_WARNINGS", "RUN_LOG", "WARNING_TAG", "capture_worker_output", "log_offset",
+__all__ = ["KNOWN_WARNINGS", "RUN_LOG", "WARNING_TAG", "capture_worker_output", "log_note", "log_offset",
            "quiet_known_warnings", "record_failure", "warning_notes"]

@@ -27,6 +27,7 @@ _HOME = {
     "auto_reward_fn": "operators.rewards.scoring",
     "compute_scores": "operators.rewards.scoring",
     "extra_metrics": "operators.rewards.scoring",
+    "named_score_max": "operators.rewards.scoring",
     "place_at_last_token": "operators.rewards.scoring",
     "resolve_reward_fn": "operators.rewards.scoring",
     "RewardFnError": "operators.rewards.user_fn",

@@ -62,6 +62,14 @@ NAMED_REWARDS: dict[str, Callable[..., Any]] = {
     "partial": partial_match_score,
     "reasoning_gym": reasoning_gym_score,   # the task named by each row's data_source, its own verifier
 }
+def named_score_max(fn: str, source: str) -> float | None:
+    """The highest score reward ``fn`` gives on data ``source``: every named reward scores in [0, 1]; ``auto``
+    is a named one on builtin sources; a user's function is unknown (None)."""
+    if fn == "auto":
+        return 1.0 if source.startswith("builtin:") else None
+    return 1.0 if fn in NAMED_REWARDS else None
+
+
 #: the rewards that match a builtin task's answer tokens (what a free-form answer scores near zero on)
 TASK_REWARDS = frozenset(name for name, fn in NAMED_REWARDS.items() if fn in (task_token_score, task_eos_score))
 

@@ -38,7 +38,7 @@ from flowrl.graph import Params, operator
 from operators.data.dataset import object_array
 from operators.rewards import split_score
 from operators.rewards.rule import exact_match_score
-from operators.rewards.scoring import auto_reward_fn, place_at_last_token, resolve_reward_fn
+from operators.rewards.scoring import auto_reward_fn, named_score_max, place_at_last_token, resolve_reward_fn
 from operators.rollout.agent_loop import DEFAULT_AGENT_LOOP, AgentLoop, get_agent_loop, run_rollouts
 from operators.rollout.batching import make_generator
 from operators.rollout.conversation import (
@@ -48,7 +48,7 @@ from operators.rollout.base import SamplingParams, sample_seeds
 from operators.rollout.envs import Environment
 from operators.rollout.ops import RESPONSE_LENGTHS, SEQUENCE_FIELDS, length_metrics, unshard_metrics
 from operators.rollout.tool_parsers import get_parser
-from operators.rollout.tools import ToolConfigError, build_tools, import_object
+from operators.rollout.tools import ToolConfigError, build_tools, import_object, tools_reward_max
 
 
 @lru_cache(maxsize=8)
@@ -189,8 +189,19 @@ def outcome_fn(fn: str, data_source: str):
     return chosen
 
 
+def agent_score_max(p: AgentReward, graph: dict[str, Any]) -> float | None:
+    """The best outcome score (1 for a named reward's exact answer) plus the weighted most the tools of the
+    graph's multi-turn nodes pay; grpo_tools: 1 + 1.0 × AddTool's 0.2 = 1.2. None where either is unknown."""
+    outcome = named_score_max(p.fn, str(graph["data"]["source"]))
+    tools = [tools_reward_max(node) for node in graph["nodes"].values()
+             if node.get("tools") or node.get("tool_config") or node.get("tool_functions") or node.get("environment")]
+    if outcome is None or any(t is None for t in tools):
+        return None
+    return outcome + p.tool_reward_weight * max(tools, default=0.0)
+
+
 @operator(
-    "reward.agent", scope="row", node_name="reward", params=AgentReward,
+    "reward.agent", scope="row", node_name="reward", params=AgentReward, score_max=agent_score_max,
     inputs={"response_mask": "int64[B, R]", "answer": "object[B]", "tool_reward": "float32[B]",
             "data_source": "object[B]", "ground_truth": "object[B]", "extra_info": "object[B]"},
     outputs={"token_level_scores": "float32[B, R]"}, score="token_level_scores", dumped=("token_level_scores",),

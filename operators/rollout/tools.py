@@ -292,6 +292,11 @@ class AddTool(BaseTool):
     def __init__(self, config: Mapping[str, Any] | None = None, tool_schema: Mapping[str, Any] | None = None):
         super().__init__(config, tool_schema or schema_from_function(add))
 
+    @staticmethod
+    def max_reward(config: Mapping[str, Any]) -> float:
+        """The most one conversation is paid: ``reward`` for a call with both operands right."""
+        return float(config.get("reward", 0.0))
+
     async def execute(self, instance_id: str, parameters: dict[str, Any], **execute_kwargs: Any) -> ToolResult:
         state = self._instances.setdefault(instance_id, {})
         a, b = parameters["a"], parameters["b"]
@@ -305,6 +310,22 @@ class AddTool(BaseTool):
 
     async def calc_reward(self, instance_id: str, **calc_reward_kwargs: Any) -> float:
         return float(self.config.get("reward", 0.0)) * self._instances.get(instance_id, {}).get("best", 0.0)
+
+
+def tools_reward_max(node: Mapping[str, Any]) -> float | None:
+    """The most a conversation of a node (its config dump) is paid by its tools and environment: the sum of
+    its inline tools' declared ``max_reward(config)``; None where one is not declared (a tool config file,
+    a function tool, an environment)."""
+    if node.get("tool_config") or node.get("tool_functions") or node.get("environment"):
+        return None
+    total = 0.0
+    for entry in node.get("tools") or ():
+        target = entry.get("class_name") if isinstance(entry, Mapping) else None
+        cls = import_object(target, "tools") if target else None
+        if not hasattr(cls, "max_reward"):
+            return None
+        total += float(cls.max_reward(entry.get("config") or {}))
+    return total
 
 
 def _digit_share(written: str, target: str) -> float:
