@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Optional
 import typer
 from rich.console import Console
 
-from flowrl import cli_debug
+from flowrl import cli_debug, cli_eval
 from flowrl.runtime.ray_start import exit_now, prestart
 
 if TYPE_CHECKING:
@@ -434,6 +434,7 @@ def _describe_op(name: str) -> None:
 
 app.command("diff")(cli_debug.diff)
 app.command("replay")(cli_debug.replay)
+app.command("eval")(cli_eval.eval_)
 
 
 def main() -> None:  # pragma: no cover - console entry point
