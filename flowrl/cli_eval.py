@@ -49,15 +49,15 @@ def eval_(
     if set_ and not base:
         fail("--set changes the graph of --base; a run is evaluated on its own graph (use --prompts, -k, "
              "--max-new-tokens)", 2, err)
-    from flowrl.store.runlog import quiet_known_warnings
-    from operators.models.hf import hf
-
-    quiet_known_warnings()  # transformers' deprecation notes, once per generated token
-    hf("utils").logging.disable_progress_bar()  # "Loading weights" bars: the table says what was loaded
     try:
         graph, weights, origin = _base(target, set_, err) if base else _checkpoint(target, checkpoint, role)
-        from operators.evaluate import evaluate  # torch and transformers: only once a policy is scored
+        # torch and transformers: only once a policy is scored
+        from flowrl.store.runlog import quiet_known_warnings
+        from operators.evaluate import evaluate
+        from operators.models.hf import hf
 
+        quiet_known_warnings()  # transformers' deprecation notes, once per generated token
+        hf("utils").logging.disable_progress_bar()  # "Loading weights" bars: the table says what was loaded
         result = evaluate(graph, weights, role=role, k=k, temperature=temperature, max_new_tokens=max_new_tokens,
                           batch_size=batch_size, seed=seed, size=prompts, where=origin)
     except (FlowrlError, OSError) as e:

@@ -44,8 +44,8 @@ def test_eval_of_a_run_is_its_validation_at_the_checkpoint_and_greedy_is_determi
     assert first["pass_at_k"] >= first["mean_at_k"]
     code, again = _eval(str(out), "--checkpoint", "2", "-k", "4")
     assert code == 0 and again == first
-    code, base = _eval("grpo", "--base", *(f"--set={k}={v}" for k, v in TINY.items()))
-    assert code == 0 and base["policy"] == "the base model" and base["pass_at_k"] is None and base["prompts"] == 8
+    code, base = _eval("grpo", "--base", "--prompts", "4", *(f"--set={k}={v}" for k, v in TINY.items()))
+    assert code == 0 and base["policy"] == "the base model" and base["pass_at_k"] is None and base["prompts"] == 4
 
 
 def test_eval_names_what_it_cannot_evaluate(run_dir, tmp_path):
