@@ -22,7 +22,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from flowrl import cli_debug, cli_io, cli_run
+from flowrl import cli_debug, cli_eval, cli_io, cli_run
 
 #: help off a terminal is click's plain text, one line per paragraph (rich's would be boxed at 80 columns);
 #: in one it is rich's, whose markdown mode joins a docstring's lines into paragraphs that wrap at the window
@@ -315,6 +315,7 @@ def _describe_op(name: str) -> None:
 
 app.command("diff")(cli_debug.diff)
 app.command("replay")(cli_debug.replay)
+app.command("eval")(cli_eval.eval_)
 
 
 def main() -> None:  # pragma: no cover - console entry point

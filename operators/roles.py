@@ -35,7 +35,8 @@ from operators.rollout.engines import EngineSource, build_rollout_engine, check_
 
 class RolloutConfig(BaseModel):
     """Which engine generates (``operators.rollout.engines``): ``hf`` (transformers, CPU or GPU),
-    ``sglang`` (GPU) or ``vllm`` (vLLM, CPU or GPU); ``engine_kwargs`` are checked against its options."""
+    ``sglang`` (GPU), ``vllm`` (vLLM, CPU or GPU) or ``auto`` (vllm where it imports, else hf);
+    ``engine_kwargs`` are checked against its options."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     engine: str = "hf"
@@ -51,7 +52,7 @@ class RolloutConfig(BaseModel):
 
     def options(self) -> dict[str, Any]:
         """The engine's options: ``engine_kwargs``, and ``drop_finished`` for ``hf``."""
-        if self.engine == "hf":
+        if engine_spec(self.engine).name == "hf":
             return {"drop_finished": self.drop_finished, **self.engine_kwargs}
         return dict(self.engine_kwargs)
 

@@ -10,6 +10,7 @@ Example YAML::
     data: {source: builtin:copy, batch_size: 32}
     data: {source: data/train.parquet, batch_size: 64, max_prompt_length: 512, truncation: left}
     data: {source: "reasoning_gym:chain_sum", batch_size: 8, config: {max_terms: 3}, format_score: 0.1}
+    data: {source: "reasoning_gym:chain_sum", batch_size: 8, answer_format: number}
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from operators.data.dataset import (SAMPLE_ROWS, DatasetError, PromptDataset, Pr
                                     check_batch_size, inspect_file, load_dataset, unknown_words, vocabulary_problem)
 from operators.data.multimodal import MULTIMODAL_FIELDS, is_multimodal, load_multimodal_dataset, load_processor
 from operators.data.reasoning_tasks import PREFIX as GYM_PREFIX
-from operators.data.reasoning_tasks import ReasoningGymRows, ReasoningTaskError, check_task, sample_rows, task_of
+from operators.data.answer_formats import DEFAULT_FORMAT, AnswerFormatName
+from operators.data.reasoning_tasks import (ReasoningGymRows, ReasoningTaskError, check_answer_format, check_task,
+                                            sample_rows, task_of)
 from operators.data.shapes import ShapeRows, is_image_task
 from operators.data.tasks import TaskRows
 from operators.models.loading import (ModelLoadError, check_tokenizer_spec, has_chat_template, load_tokenizer,
@@ -80,8 +83,11 @@ class ReasoningGymConfig(PromptSourceConfig):
 
     config: dict[str, Any] = Field(default_factory=dict, description="the task's options: "
                                    "reasoning_gym.create_dataset(task, **config)")
-    format_score: float = Field(0.0, ge=0.0, le=1.0, description="the reward of an answer in <answer> tags "
-                                "that the task's verifier scores lower")
+    format_score: float = Field(0.0, ge=0.0, le=1.0, description="the reward of an answer the format's parser "
+                                "reads that the task's verifier scores lower")
+    answer_format: AnswerFormatName = Field(DEFAULT_FORMAT, description="how the prompt asks for the answer and "
+                                            "the reward reads it: tags (<answer>...</answer>), number (the first "
+                                            "number), line (the first line); operators.data.answer_formats")
 
     @field_validator("source", "val_source")
     @classmethod
@@ -98,6 +104,7 @@ class ReasoningGymConfig(PromptSourceConfig):
                              f"task holds out its own questions for validation; leave val_source out")
         try:
             check_task(task_of(self.source), self.config)
+            check_answer_format(task_of(self.source), self.config, self.answer_format)
         except ReasoningTaskError as err:
             raise ValueError(str(err)) from None
         return self
@@ -106,7 +113,7 @@ class ReasoningGymConfig(PromptSourceConfig):
         """The split's rows: ``task_size`` for training, ``val_size`` held out."""
         size = self.task_size if split == "train" else self.val_size
         return ReasoningGymRows(task_of(self.source), self.config, seed=seed, size=size, split=split,
-                                format_score=self.format_score)
+                                format_score=self.format_score, answer_format=self.answer_format)
 
 
 def source_config(data: dict[str, Any]) -> type[PromptSourceConfig]:
@@ -300,6 +307,6 @@ def file_source(cfg: PromptSourceConfig, seed: int = 0, roles: dict[str, Any] | 
 def reasoning_gym_source(cfg: ReasoningGymConfig, seed: int = 0, roles: dict[str, Any] | None = None,
                          split: Literal["train", "val"] = "train") -> PromptSource:
     """A reasoning-gym task (``reasoning_gym:chain_sum``...) with its options (``config``), generated from the
-    seed, prompts through the model's chat template asking for ``<answer>...</answer>``; its rows' verifier
+    seed, prompts through the model's chat template asking for the answer in ``answer_format``; its rows' verifier
     scores them (``fn: auto``); validation takes held-out questions no training step sees."""
     return PromptSource(cfg, seed, default_tokenizer(cfg, roles or {}), split)

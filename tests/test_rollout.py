@@ -213,3 +213,24 @@ def test_sglang_engine_says_it_needs_sglang():
             SGLangRolloutEngine("/models/x", pad_token_id=0, stop_token_ids=[2])
     else:
         pytest.skip("sglang is installed: the engine itself needs a GPU test")
+
+
+def test_the_auto_engine_is_vllm_where_it_imports_and_hf_elsewhere(monkeypatch):
+    """``rollout.engine: auto`` resolves in the process that builds the actor: vllm's options where the
+    package is found, hf's (with drop_finished) where it is not."""
+    import importlib.util
+
+    from operators.roles import RolloutConfig
+    from operators.rollout.engines import engine_spec, resolve_engine
+
+    found = importlib.util.find_spec
+    for present, expected in ((False, "hf"), (True, "vllm")):
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a, present=present: object() if present and name == "vllm"
+                            else (None if name == "vllm" else found(name, *a)))
+        assert resolve_engine("auto") == expected and engine_spec("auto").name == expected
+        assert resolve_engine("hf") == "hf"
+        options = RolloutConfig(engine="auto").options()
+        assert ("drop_finished" in options) == (expected == "hf")
+    with pytest.raises(ValueError, match="auto"):  # an unknown engine lists auto among the choices
+        engine_spec("vlm")

@@ -3,15 +3,17 @@
 Any of reasoning-gym's tasks (``chain_sum``, ``basic_arithmetic``, ``countdown``, ``letter_counting``...)
 with its own options (``reasoning_gym.create_dataset(task, **config)``) becomes rows in verl's schema:
 
-- ``prompt``: one user message, the task's question then :data:`ANSWER_INSTRUCTION`, which asks for the
-  final answer between ``<answer>`` and ``</answer>`` (reasoning-gym's own convention; the reward reads
-  the last such span, so a model may think before it);
+- ``prompt``: one user message, the task's question then the instruction of its answer format
+  (:mod:`operators.data.answer_formats`, ``data.answer_format``): by default :data:`ANSWER_INSTRUCTION`,
+  which asks for the final answer between ``<answer>`` and ``</answer>`` (reasoning-gym's own convention;
+  the reward reads the last such span, so a model may think before it);
 - ``data_source``: ``"reasoning_gym:<task>"``, which ``fn: auto`` scores with the task's own verifier
   (:mod:`operators.rewards.reasoning`);
 - ``reward_model``: ``{"style": "rule", "ground_truth": <the task's answer>}``;
 - ``extra_info``: ``index``, ``split``, and what the verifier needs besides the answer: the
-  ``question``, the task's ``metadata`` and ``config``, and ``format_score`` (what a parseable but
-  wrong answer earns).
+  ``question``, the task's ``metadata`` and ``config``, ``format_score`` (what a parseable but
+  wrong answer earns) and, for a format other than ``tags``, ``answer_format`` (which parser the reward
+  reads the response with).
 
 Rows are generated on demand from the seed (a task may take 100 ms a row). The held-out split never
 repeats a training question: a question belongs to the held-out split when the digest of its text falls
@@ -37,9 +39,10 @@ from functools import lru_cache
 from typing import Any, Literal, Mapping, Sequence
 
 from flowrl.errors import ConfigError
+from operators.data.answer_formats import DEFAULT_FORMAT, answer_format as format_named, is_number
 
 PREFIX = "reasoning_gym:"
-ANSWER_INSTRUCTION = "Give only your final answer between <answer> and </answer> tags."
+ANSWER_INSTRUCTION = format_named(DEFAULT_FORMAT).instruction
 #: one bucket of this many holds the held-out questions (a sixteenth of the task's questions)
 HELD_OUT_BUCKETS = 16
 #: candidates a row tries before its task is declared unable to fill the split (a held-out row
@@ -91,6 +94,22 @@ def check_task(task: str, config: Mapping[str, Any]) -> None:
     task_dataset(task, json.dumps(dict(config), sort_keys=True), 0, 1)
 
 
+def check_answer_format(task: str, config: Mapping[str, Any], name: str, sample: int = 8) -> None:
+    """Raise :class:`ReasoningTaskError` unless the answer format ``name`` exists and can read the task's
+    answers: a numeric format needs the first ``sample`` answers to be numbers."""
+    try:
+        fmt = format_named(name)
+    except ValueError as err:
+        raise ReasoningTaskError(str(err)) from None
+    if not fmt.numeric:
+        return
+    data = task_dataset(task, json.dumps(dict(config), sort_keys=True), 0, sample)
+    wrong = next((str(entry["answer"]) for entry in data if not is_number(str(entry["answer"]))), None)
+    if wrong is not None:
+        raise ReasoningTaskError(f"answer_format {name!r} reads a number, but reasoning-gym task {task!r} answers "
+                                 f"{wrong!r}; use answer_format: line (or tags) for it")
+
+
 @lru_cache(maxsize=16)
 def task_dataset(task: str, config_json: str, seed: int, size: int) -> Any:
     config = json.loads(config_json)
@@ -118,10 +137,11 @@ class ReasoningGymRows(Sequence[dict]):
     row ``i`` depends only on ``(task, config, seed, split, i)``."""
 
     def __init__(self, task: str, config: Mapping[str, Any] | None = None, *, seed: int = 0, size: int = 1000,
-                 split: Split = "train", format_score: float = 0.0):
+                 split: Split = "train", format_score: float = 0.0, answer_format: str = DEFAULT_FORMAT):
         if size <= 0:
             raise ValueError(f"task size must be positive, got {size}")
         self.task, self.config = task, dict(config or {})
+        self.format = format_named(answer_format)
         check_task(task, self.config)
         self.size, self.split, self.format_score = size, split, format_score
         self._data = task_dataset(task, json.dumps(self.config, sort_keys=True), _stream_seed(seed, split), size)
@@ -137,13 +157,15 @@ class ReasoningGymRows(Sequence[dict]):
     @lru_cache(maxsize=4096)  # a row is read to tokenize it and again to batch it
     def _row(self, i: int) -> dict[str, Any]:
         entry = self._entry(i)
+        extra = {"index": i, "split": self.split, "question": entry["question"],
+                 "metadata": entry.get("metadata", {}), "config": self.config, "format_score": self.format_score}
+        if self.format.name != DEFAULT_FORMAT:  # the default's rows stay as they were: runs' digests unchanged
+            extra["answer_format"] = self.format.name
         return {
-            "prompt": [{"role": "user", "content": f"{entry['question']}\n\n{ANSWER_INSTRUCTION}"}],
+            "prompt": [{"role": "user", "content": f"{entry['question']}\n\n{self.format.instruction}"}],
             "data_source": f"{PREFIX}{self.task}",
             "reward_model": {"style": "rule", "ground_truth": str(entry["answer"])},
-            "extra_info": {"index": i, "split": self.split, "question": entry["question"],
-                           "metadata": entry.get("metadata", {}), "config": self.config,
-                           "format_score": self.format_score},
+            "extra_info": extra,
         }
 
     def _entry(self, i: int) -> Mapping[str, Any]:

