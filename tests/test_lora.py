@@ -6,6 +6,7 @@ process takes (within 1e-5). builtin:tiny throughout; the vLLM push runs where v
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -245,3 +246,32 @@ def test_a_two_rank_fsdp2_lora_update_equals_one_process(ranks, batch):  # noqa:
     assert moved > 1e-4  # the update changed the merged weights
     worst = max(float((got[0][n] - expected[n]).abs().max()) for n in expected)
     assert worst <= 1e-5, worst
+
+
+# ---------------------------------------------------------------- vLLM: merged weights pushed, checked
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+@pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: docs/lora.md runs this test with "
+                    "build/vllm-venv's python")
+def test_a_lora_actor_pushes_merged_weights_into_vllm_and_the_check_bites(batch):
+    from operators.rollout.vllm_engine import WeightSyncError
+
+    actor = Actor(ActorConfig(optim={"lr": 1e-2, "grad_clip": 1.0}, lora=dict(LORA), rollout={
+        "engine": "vllm", "engine_kwargs": {"kv_cache_mib": 64, "max_num_seqs": 64, "weight_bucket_mb": 0.5}}),
+        RoleContext("actor", 0, 1, 0))
+    engine = actor.engine  # started from the merged copy of the weights (plain Hugging Face names)
+    try:
+        for _ in range(2):
+            actor_ops.update(actor, batch, **UPDATE)
+        metrics = actor.set_version(1)  # the merged push, stamped, and the probe check
+        assert metrics["rollout/weight_check_max_diff"] <= 1e-3 and engine.weight_version == 1
+        # the base alone, adapters not folded in, is caught by the same check
+        base = actor.model.get_base_model()
+        actor.train_engine.named_weights = lambda: ((n.replace(".base_layer.", "."), t)
+                                                    for n, t in base.state_dict().items() if ".lora_" not in n)
+        with pytest.raises(WeightSyncError, match="weight check after push"):
+            actor.set_version(2)
+    finally:
+        actor.close()
