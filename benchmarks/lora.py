@@ -115,6 +115,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for mode in MODES:  # A B A B: both modes see the same stretch of the machine's load
             results[mode].append(run_child(mode, args))
+            print(f"{mode}: {json.dumps(results[mode][-1])}", flush=True)  # a long run shows its progress
     load_after = uptime()
 
     def med(mode: str, key: str) -> float:
