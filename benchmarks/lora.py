@@ -69,7 +69,8 @@ def child(mode: str, spec: str, r: int, batch: int, tokens: int, response: int, 
     pushed = sum(t.numel() * t.element_size() for _, t in actor.train_engine.named_weights())
     push_s = time.perf_counter() - start
     trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
-    return {"update_s": statistics.median(seconds), "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    max_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+    return {"update_s": statistics.median(seconds), "max_rss_mib": max_rss_mib,
             "push_s": push_s, "push_mib": pushed / 2**20, "trainable": trainable,
             "optimizer_mib": actor.held_bytes()["optimizer"] / 2**20}
 

@@ -90,9 +90,9 @@ def measure(out: Path, rounds: int = 3) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base)
+    options = {"dtype": "float32", "max_model_len": 256, "gpu_memory_utilization": 0.3, "kv_cache_mib": 256}
     engine = VLLMRolloutEngine(base, pad_token_id=tok.pad_token_id or 0, stop_token_ids={tok.eos_token_id},
-                               options={"dtype": "float32", "max_model_len": 256,
-                                                                      "gpu_memory_utilization": 0.3, "kv_cache_mib": 256}, weight_names=merged.keys())
+                               options=options, weight_names=merged.keys())
     push_s = []
     for i in range(rounds):
         start = time.perf_counter()
@@ -102,7 +102,8 @@ def measure(out: Path, rounds: int = 3) -> None:
     mib = sum(t.numel() * t.element_size() for t in merged.values()) / 2**20
     adapter_mib = sum(p.stat().st_size for p in (out / "adapter").iterdir()) / 2**20
     print(json.dumps({"merged_push_s": push_s, "merged_mib": mib, "adapter_dir_mib": adapter_mib,
-                      "median_adapter_s": statistics.median(adapter_s), "median_merged_s": statistics.median(push_s)}), flush=True)
+                      "median_adapter_s": statistics.median(adapter_s),
+                      "median_merged_s": statistics.median(push_s)}), flush=True)
     print("load:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(), flush=True)
 
 

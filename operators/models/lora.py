@@ -213,12 +213,8 @@ def plain_copy(model: torch.nn.Module) -> torch.nn.Module:
     and loads its own copy (vLLM starts from a directory)."""
     import copy
 
-    from peft import PeftModel
-
-    base = copy.deepcopy(model)
-    assert isinstance(base, PeftModel)
-    return base.merge_and_unload()
+    return copy.deepcopy(model).merge_and_unload()  # the copy merged, the live model untouched
 
 
-__all__ = ["ATTENTION_MLP", "BaseView", "LoraConfig", "add_adapters", "base_only", "check_targets", "is_lora", "linear_names",
-           "load_merged", "merged_weights", "model_linear_names", "plain_copy"]
+__all__ = ["ATTENTION_MLP", "BaseView", "LoraConfig", "add_adapters", "base_only", "check_targets", "is_lora",
+           "linear_names", "load_merged", "merged_weights", "model_linear_names", "plain_copy"]
