@@ -258,9 +258,9 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 def test_a_lora_actor_pushes_merged_weights_into_vllm_and_the_check_bites(batch):
     from operators.rollout.vllm_engine import WeightSyncError
 
-    actor = Actor(ActorConfig(optim={"lr": 1e-2, "grad_clip": 1.0}, lora=dict(LORA), rollout={
-        "engine": "vllm", "engine_kwargs": {"kv_cache_mib": 64, "max_num_seqs": 64, "weight_bucket_mb": 0.5}}),
-        RoleContext("actor", 0, 1, 0))
+    options = {"kv_cache_mib": 64, "max_num_seqs": 64, "weight_bucket_mb": 0.5, "gpu_memory_utilization": 0.3}
+    actor = Actor(ActorConfig(optim={"lr": 1e-2, "grad_clip": 1.0}, lora=dict(LORA),
+                              rollout={"engine": "vllm", "engine_kwargs": options}), RoleContext("actor", 0, 1, 0))
     engine = actor.engine  # started from the merged copy of the weights (plain Hugging Face names)
     try:
         for _ in range(2):
