@@ -255,6 +255,7 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
 @pytest.mark.skipif(not HAS_VLLM, reason="vLLM is not installed here: docs/lora.md runs this test with "
                     "build/vllm-venv's python")
+@pytest.mark.timeout(1200)  # its own vLLM engine start: 283 s at a load of 6-25 on 2 cores
 def test_a_lora_actor_pushes_merged_weights_into_vllm_and_the_check_bites(batch):
     from operators.rollout.vllm_engine import WeightSyncError
 
