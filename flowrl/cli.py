@@ -71,6 +71,10 @@ def validate(
         # what only placement can tell: row spaces that do not match, more micro-batches than prompts,
         # a data-parallel node with fewer rows than ranks: the plan the run would make
         _plan(g, backend, "[red]\\[plan][/] ")
+        from flowrl.plan.pools import role_notes
+
+        for note in role_notes(g):
+            console.print(f"[cyan]note[/] {_escape(note)}")
     if not report.ok:
         n = len(report.errors)
         err_console.print(f"[bold red]{g.name}: {n} error{'s' if n != 1 else ''}[/]")
@@ -219,6 +223,8 @@ def export(
     how = ("AutoModelForCausalLM.from_pretrained" if head == "causal_lm"
            else f"operators.models.load_model(path, head={head!r})")
     console.print(f"[green]exported[/] {role} to {path} (load it with {how})")
+    if (path / "adapter" / "adapter_config.json").is_file():
+        console.print(f"[green]adapters[/] in {path / 'adapter'} (load them with PeftModel.from_pretrained(base, path))")
 
 
 @app.callback(invoke_without_command=True)

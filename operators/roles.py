@@ -2,7 +2,9 @@
 
 ``actor``: a causal LM with its optimizer and a rollout engine sharing its
 weights; a frozen actor (``ref: {from: actor, frozen: true}``) is the same
-model from the same seed, without an optimizer. ``critic``: the same backbone
+model from the same seed, without an optimizer. An actor with ``lora:`` trains
+peft adapters only (:mod:`operators.models.lora`), and a frozen actor derived
+from it in its pool is its own model with the adapters off (no second copy). ``critic``: the same backbone
 with a value head. ``reward_model``: a sequence classifier scoring responses.
 
 Example YAML::
@@ -11,6 +13,12 @@ Example YAML::
       actor:  {model: builtin:tiny, optim: {lr: 5.0e-4, grad_clip: 1.0}}
       ref:    {from: actor, frozen: true}
       critic: {model: builtin:tiny, optim: {lr: 1.0e-3}}
+
+With LoRA (the reference is then the actor's base)::
+
+    roles:
+      actor: {model: builtin:smollm2-135m, lora: {r: 8, alpha: 16}, optim: {lr: 2.0e-4}}
+      ref:   {from: actor, frozen: true}
 """
 
 from __future__ import annotations
@@ -26,11 +34,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validat
 from flowrl.graph import Role, Stateful, role_kind
 from operators.models import ModelLoadError, OptimConfig, check_model_spec, is_gguf_spec, load_model
 from operators.models.engine import ENGINES, LossFn, build_engine
-from operators.models.fsdp import unsharded
+from operators.models.lora import BaseView, LoraConfig, add_adapters, check_targets, is_lora, model_linear_names, \
+    plain_copy
 from operators.models.sharded_checkpoint import ModelState
 from operators.rewards import RewardModelScorer
 from operators.rollout.base import RolloutEngine, prompt_seeds
 from operators.rollout.engines import EngineSource, build_rollout_engine, check_engine_options, engine_spec
+from operators.rollout.unsharded import UnshardedEngine
 
 
 class RolloutConfig(BaseModel):
@@ -95,6 +105,22 @@ class ModelRoleConfig(BaseModel):
 
 class ActorConfig(ModelRoleConfig):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters (peft) instead of every weight: "
+                                    "{r, alpha, target_modules, dropout}; the base stays frozen")
+
+    @model_validator(mode="after")
+    def _lora_targets_exist(self) -> "ActorConfig":
+        if self.lora is not None:
+            check_targets(self.lora.target_modules, model_linear_names(self.model), self.model)
+        return self
+
+    def frozen_view(self) -> str | None:
+        """With LoRA, a frozen role derived from this actor in its pool is the actor's own model with
+        the adapters off (verl's ``ref_in_actor``), said in words; without, None (a copy of its own)."""
+        if self.lora is None:
+            return None
+        return ("the actor's own model with its LoRA adapters switched off (peft's disable_adapter): the "
+                "frozen base weights, no second copy")
 
 
 class TrainableRole(Role, Stateful):
@@ -157,85 +183,21 @@ class TrainableRole(Role, Stateful):
         checkpointer: the model's and the optimizer's tensors (this rank's shards when the model is
         sharded: the pool's ranks write them together, and any number of ranks loads them back),
         the LR schedule and the update count."""
-        state: dict[str, Any] = {**ModelState(self.model, self.optimizer).state_dict(), "updates": self.updates}
+        state: dict[str, Any] = {**self._model_state().state_dict(), "updates": self.updates}
         if self.optimizer is not None:
             state["scheduler"] = self.scheduler.state_dict()
         return state
 
+    def _model_state(self) -> ModelState:
+        # with LoRA the frozen base is the model the graph names, rebuilt as it was: only the adapters
+        return ModelState(self.model, self.optimizer, trainable_only=is_lora(self.model))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s output (its tensors laid out for this rank by the checkpointer)."""
-        ModelState(self.model, self.optimizer).load_state_dict(state)
+        self._model_state().load_state_dict(state)
         if self.optimizer is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
         self.updates = state.get("updates", 0)
-
-
-class _UnshardedEngine(RolloutEngine):
-    """A rollout engine over a sharded model: each ``generate`` runs on full parameters
-    (one all-gather on entry, resharded after), ``memory`` the last change it made.
-
-    Inside :meth:`held` the full parameters stay for every ``generate``: a rollout
-    that calls the engine a number of times of its own (a multi-turn conversation's
-    rounds differ from rank to rank) gathers once, and no rank waits on another's call.
-    Everything else is the wrapped engine's.
-    """
-
-    def __init__(self, engine: RolloutEngine, model: torch.nn.Module, group: Any) -> None:
-        self._engine, self._model, self._group = engine, model, group
-        self.serves_requests, self.takes_images = engine.serves_requests, engine.takes_images
-        self.memory = None
-        self._holding = False
-
-    @property
-    def stop_token_ids(self) -> Any:
-        return self._engine.stop_token_ids
-
-    @contextlib.contextmanager
-    def held(self):
-        """Full parameters for the whole block: a collective on entry (every rank enters), none inside."""
-        if self._holding:
-            yield
-            return
-        with unsharded(self._model, self._group) as change:
-            self._holding = True
-            try:
-                yield
-            finally:
-                self._holding = False
-        self.memory = change
-
-    def generate(self, *args: Any, **kwargs: Any) -> Any:
-        if self._holding:
-            return self._engine.generate(*args, **kwargs)
-        with self.held():
-            return self._engine.generate(*args, **kwargs)
-
-    async def generate_one(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return await self._engine.generate_one(*args, **kwargs)
-
-    def update_weights(self, weights: Any, *, version: int) -> dict[str, float]:
-        return self._engine.update_weights(weights, version=version)
-
-    def check_weights(self, model: torch.nn.Module) -> dict[str, float]:
-        return self._engine.check_weights(model)
-
-    def release_memory(self) -> None:
-        self._engine.release_memory()
-
-    def resume_memory(self) -> None:
-        self._engine.resume_memory()
-
-    def memory_metrics(self) -> dict[str, float]:
-        return self._engine.memory_metrics()
-
-    def rng_state(self) -> torch.Tensor | None:
-        return self._engine.rng_state()
-
-    def set_rng_state(self, state: torch.Tensor) -> None:
-        self._engine.set_rng_state(state)
-
-    def shutdown(self) -> None:
-        self._engine.shutdown()
 
 
 @role_kind("actor", config=ActorConfig)
@@ -252,6 +214,8 @@ class Actor(TrainableRole):
 
     def __init__(self, cfg: ActorConfig, ctx: Any) -> None:
         model, self.tokenizer = load_model(cfg.model, dtype=cfg.dtype, seed=ctx.seed, device=ctx.device)
+        if cfg.lora is not None and not ctx.frozen:  # a frozen copy is the base
+            model = add_adapters(model, cfg.lora, seed=ctx.seed)
         super().__init__(model, cfg, ctx)
         self._engine: RolloutEngine | None = None
         self._rng: torch.Tensor | None = None  # a restored sampling stream, for the engine not built yet
@@ -262,17 +226,24 @@ class Actor(TrainableRole):
         weights of the version the actor was last told."""
         if self._engine is None:
             rollout = self.cfg.rollout
-            source = EngineSource(self.model, self.tokenizer, self.cfg.model, seed=self.ctx.seed * 1009 + self.ctx.rank,
+            own_copy = not engine_spec(rollout.engine).shares_model
+            # an engine that saves its own copy starts from plain Hugging Face weights: the adapters merged
+            model = plain_copy(self.model) if own_copy and is_lora(self.model) else self.model
+            source = EngineSource(model, self.tokenizer, self.cfg.model, seed=self.ctx.seed * 1009 + self.ctx.rank,
                                   world_size=self.group.world_size, version=self.version)
             engine = build_rollout_engine(rollout.engine, source, rollout.options())
             if engine_spec(rollout.engine).shares_model and self.group.world_size > 1:
                 # generation calls forward per token: gather once
-                engine = _UnshardedEngine(engine, self.model, self.group)
+                engine = UnshardedEngine(engine, self.model, self.group)
             if self._rng is not None:
                 engine.set_rng_state(self._rng)
                 self._rng = None
             self._engine = engine
         return self._engine
+
+    def frozen_view(self) -> BaseView:
+        """The reference this actor serves when it has LoRA: its own model with the adapters off."""
+        return BaseView(self)
 
     def close(self) -> None:
         """Stop the rollout engine's own processes (vLLM, sglang) when it started any: a run that ends
@@ -291,7 +262,7 @@ class Actor(TrainableRole):
         called: for a sharded actor, one all-gather on entry on every rank (a collective) and a
         reshard on exit; otherwise nothing."""
         engine = self.engine
-        return engine.held() if isinstance(engine, _UnshardedEngine) else contextlib.nullcontext()
+        return engine.held() if isinstance(engine, UnshardedEngine) else contextlib.nullcontext()
 
     def fit(self, batch: Any, loss_fn: LossFn, **schedule: Any) -> dict[str, float]:
         """The training engine's update (:meth:`TrainEngine.train_batch`), with a rollout engine of its

@@ -30,6 +30,7 @@ EXPECTED = {
     "e2e.py": ["GRPO end to end", "flowrl grpo (local, sync)", "plain PyTorch stage by stage"],
     "engines.py": ["rollout engines", "hf tok/s", "the default job (grpo, local backend)"],
     "fingerprints.py": ["fingerprints: grpo", "with fingerprints", "fingerprint work, timed"],
+    "lora.py": ["LoRA vs full fine-tuning: builtin:tiny", "ratio lora/full"],
     "logprob_memory.py": ["log-prob memory: builtin:tiny", "ratio chunked/whole"],
     "metrics_snapshot.py": ["grpo           local recorded 2 steps", "MATCH: identical"],
     "plain_grpo.py": ["done: 3 steps"],

@@ -11,6 +11,7 @@ the methods of :class:`Role`, which every role kind derives from:
 ``held_bytes()``              bytes of parameters and optimizer state this rank holds
 ``weights_for_digest()``      this rank's weights for the run's fingerprints (no collective)
 ``close()``                   stop what the role started (a rollout engine's processes)
+``frozen_view()``             a frozen role served by this object (when its config offers one)
 ============================  ===============================================================
 
 A role whose state a checkpoint must hold is also :class:`Stateful`
@@ -79,6 +80,12 @@ class Role:
 
     def close(self) -> None:
         """Stop what the role started that outlives a run otherwise (nothing here)."""
+
+    def frozen_view(self) -> "Role":
+        """A frozen role derived from this one, served by this object (no second copy), for a role kind
+        whose config's ``frozen_view()`` says so (:mod:`flowrl.plan.pools`)."""
+        raise RunError(f"role {type(self).__name__} offers no frozen view: a frozen role derived from it "
+                       f"gets a copy of its own")
 
 
 @runtime_checkable

@@ -3,8 +3,11 @@
 A pool hosts roles (colocation: every role of a pool lives in the same worker
 processes). Which objects a worker builds is decided here, once, from the
 graph: a frozen derived role (``ref: {from: actor, frozen: true}``) gets its
-own copy of the root role's model; a non-frozen derived role in the same pool
-shares the object (and weights) of the role it derives from.
+own copy of the root role's model, unless the root's config offers a frozen
+view (``frozen_view()``: an actor with LoRA adapters computes its base with them
+off) and the root is in the same pool: then it is the root's
+:meth:`~flowrl.graph.Role.frozen_view`, no second copy; a non-frozen derived
+role in the same pool shares the object (and weights) of the role it derives from.
 
 Example::
 
@@ -27,7 +30,8 @@ DRIVER = "driver"
 @dataclass
 class RoleBuild:
     """How to build one role in a worker: ``factory(config, ctx)``, or share
-    another role's object (a non-frozen derived role in the same pool)."""
+    another role's object (a non-frozen derived role in the same pool), or take
+    its frozen view (``view``: why, in words, for ``flowrl validate``)."""
 
     name: str
     kind: str
@@ -35,6 +39,7 @@ class RoleBuild:
     config: Any
     shares: str | None = None
     frozen: bool = False
+    view: str | None = None
 
 
 @dataclass
@@ -73,11 +78,15 @@ def role_builds(graph: Graph, names: list[str]) -> list[RoleBuild]:
         cfg = roles[name]
         kind = graph.role_kinds[name]
         rk = REGISTRY.role_kind(kind)
+        settings = rk.config.model_validate(roles[root(name)].settings)
         if cfg.from_ is not None and cfg.from_ in names and not cfg.frozen:
             add(cfg.from_)
             builds.append(RoleBuild(name, kind, rk.factory, None, shares=cfg.from_))
+        elif cfg.frozen and cfg.from_ in names and roles[cfg.from_].from_ is None and frozen_view(settings):
+            add(cfg.from_)
+            builds.append(RoleBuild(name, kind, rk.factory, None, shares=cfg.from_, frozen=True,
+                                    view=frozen_view(settings)))
         else:
-            settings = rk.config.model_validate(roles[root(name)].settings)
             builds.append(RoleBuild(name, kind, rk.factory, settings, frozen=cfg.frozen))
         done.add(name)
 
@@ -86,4 +95,18 @@ def role_builds(graph: Graph, names: list[str]) -> list[RoleBuild]:
     return builds
 
 
-__all__ = ["DRIVER", "PoolSpec", "RoleBuild", "pool_specs", "role_builds"]
+def frozen_view(settings: Any) -> str | None:
+    """What a role kind's validated config says a frozen role derived from it in its pool is (its
+    ``frozen_view()``, in words), or None: such a role gets a copy of its own."""
+    method = getattr(settings, "frozen_view", None)
+    return method() if callable(method) else None
+
+
+def role_notes(graph: Graph) -> list[str]:
+    """What ``flowrl validate`` says about how roles are built beyond the graph's own words: each frozen
+    role served as a view of another role's object."""
+    return [f"role {rb.name!r} (from {rb.shares!r}, frozen) is {rb.view}"
+            for spec in pool_specs(graph) for rb in spec.roles if rb.view is not None]
+
+
+__all__ = ["DRIVER", "frozen_view", "role_notes", "PoolSpec", "RoleBuild", "pool_specs", "role_builds"]

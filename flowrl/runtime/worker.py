@@ -200,6 +200,11 @@ class Worker:
 
     def _build_roles(self) -> None:
         for rb in self._builds:
+            if rb.view is not None:  # its own weight version (the frozen base's: 0), nothing to checkpoint
+                self.roles[rb.name] = self.roles[rb.shares].frozen_view()
+                self.owner[rb.name] = rb.name
+                self.versions[rb.name] = 0
+                continue
             if rb.shares is not None:
                 self.roles[rb.name] = self.roles[rb.shares]
                 self.owner[rb.name] = self.owner[rb.shares]

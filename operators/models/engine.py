@@ -38,6 +38,7 @@ from flowrl.data.metrics import MAX, MEAN, MIN, SUM, Metric, Reduction, mean
 from operators.models.data_parallel import LossNorm, data_parallel_forward, pass_count
 from operators.models.fsdp import (fsdp_units, full_state_dict, full_tensor, is_dtensor, local_part, shard_model,
                                    state_bytes)
+from operators.models.lora import is_lora, load_merged, merged_weights
 from operators.models.microbatch import response_lengths, restore, token_budget_split, trim
 from operators.models.optim import OptimConfig, build_optimizer, clip_grad_norm
 from operators.models.schedule import update_schedule
@@ -212,11 +213,17 @@ class TrainEngine:
     # -- weights -----------------------------------------------------------------------------
 
     def get_weights(self) -> dict[str, torch.Tensor] | None:
-        """The full weights, on CPU (sharded: a collective, the dict on rank 0, ``None`` elsewhere)."""
+        """The full weights, on CPU (sharded: a collective, the dict on rank 0, ``None`` elsewhere);
+        with LoRA, the base's names with the adapters merged in."""
+        if is_lora(self.model):
+            weights = {name: t.to("cpu", copy=True) for name, t in self.named_weights()}
+            return weights if self.group.rank == 0 else None
         return full_state_dict(self.model, self.group)
 
     def set_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load full weights (another pool's :meth:`get_weights`)."""
+        """Load full weights (another pool's :meth:`get_weights`); with LoRA, as the base (adapters zeroed)."""
+        if is_lora(self.model):
+            return load_merged(self.model, weights)
         self.model.load_state_dict(weights)
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -225,8 +232,11 @@ class TrainEngine:
         gathered when it is reached (a collective: every rank iterates to the end), so no rank
         holds all the full weights at once. Tied weights come under each of their names: an
         engine may keep its own copy of each (vLLM's CPU build prepacks ``lm_head`` apart from
-        the embeddings)."""
+        the embeddings). With LoRA: the base's names, each adapted weight merged (``W + scale·BA``)."""
         with self.group.guard("weights for the rollout engine"):
+            if is_lora(self.model):
+                yield from merged_weights(self.model)
+                return
             for name, tensor in self.model.state_dict(keep_vars=True).items():
                 yield name, full_tensor(tensor).detach()
 

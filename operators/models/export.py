@@ -14,6 +14,12 @@ the BOS token and a plain encode does not add it, the exported tokenizer adds
 it, so ``transformers`` generation from ``tokenizer("copy 3 7 =")`` matches
 flowrl's.
 
+A role trained with LoRA (``lora:``) checkpoints its adapters only: the base is
+rebuilt from the graph's model, the adapters put on it, and two directories come
+out: ``out_dir`` with the adapters merged into the weights (a plain model, as
+above) and ``out_dir/adapter`` in peft's ``save_pretrained`` format, which
+``PeftModel.from_pretrained(base, out_dir / "adapter")`` loads onto the base.
+
 Example::
 
     state, meta, path = CheckpointStore.of_run("runs/grpo").read_role("actor", step=100)
@@ -31,6 +37,10 @@ from flowrl.errors import ConfigError
 from operators.data.multimodal import load_processor
 from operators.models.fsdp import tied_parameters
 from operators.models.loading import load_model, save_model
+from operators.models.lora import LoraConfig, add_adapters
+
+#: where, inside an export of a LoRA role, its adapters go (peft's format)
+ADAPTER_DIR = "adapter"
 
 
 class ExportError(ConfigError, ValueError):
@@ -84,19 +94,26 @@ def export_hf(weights: dict[str, torch.Tensor], graph: dict[str, Any], out_dir: 
     spec_cfg = roles.get(source, cfg) if source else cfg
     spec, dtype = spec_cfg.get("model", "builtin:tiny"), spec_cfg.get("dtype", "float32")
     model, tokenizer = load_model(spec, head=role_head(roles, role), dtype=dtype)
+    lora = spec_cfg.get("lora") if not cfg.get("frozen") else None
+    if lora is not None:  # the checkpoint holds the adapters; the base is the model the graph names
+        model = add_adapters(model, LoraConfig(**lora), seed=0)
     try:
         fit = model.load_state_dict(StateDictAdapter(model).to_hf(weights), strict=False)
     except RuntimeError as err:  # a tensor of another shape: torch lists each one below its header line
         details = [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
         raise ExportError(f"{where}: the weights of role {role!r} do not fit model {spec!r}: "
                           f"{_some(details, 'mismatch')}") from None
-    if fit.missing_keys or fit.unexpected_keys:
+    missing = [k for k in fit.missing_keys if lora is None or ".lora_" in k]
+    if missing or fit.unexpected_keys:
         parts = []
-        if fit.missing_keys:
-            parts.append(f"the model has {_some(fit.missing_keys, 'tensor')} the checkpoint lacks")
+        if missing:
+            parts.append(f"the model has {_some(missing, 'tensor')} the checkpoint lacks")
         if fit.unexpected_keys:
             parts.append(f"the checkpoint has {_some(fit.unexpected_keys, 'tensor')} the model lacks")
         raise ExportError(f"{where}: the weights of role {role!r} do not fit model {spec!r}: {'; '.join(parts)}")
+    if lora is not None:
+        model.save_pretrained(Path(out_dir) / ADAPTER_DIR)
+        model = model.merge_and_unload()
     out = save_model(model, with_training_bos(tokenizer), out_dir)
     processor = load_processor(spec)
     if processor is not None:  # image prompts go through it: its tokenizer as the prompts were encoded

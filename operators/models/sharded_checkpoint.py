@@ -32,8 +32,16 @@ from operators.models.fsdp import tied_parameters
 class ModelState:
     """``state_dict`` / ``load_state_dict`` over a model and its optimizer (``None``: frozen)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 trainable_only: bool = False) -> None:
         self.model, self.optimizer = model, optimizer
+        # a frozen base (LoRA's) is rebuilt from the model the graph names: only what trains is saved
+        self.trainable_only = trainable_only
+
+    def _options(self) -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=self.trainable_only, strict=not self.trainable_only)
 
     def state_dict(self) -> dict[str, Any]:
         """``{"model": {name: tensor}}``, plus the optimizer's ``state`` (per parameter name) and
@@ -41,9 +49,9 @@ class ModelState:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
         if self.optimizer is None:
-            return {"model": self._once(get_model_state_dict(self.model))}
+            return {"model": self._once(get_model_state_dict(self.model, options=self._options()))}
         stepped = bool(self.optimizer.state)
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self._options())
         if not stepped:
             # get_state_dict fills an optimizer that never stepped with zero moments at step 1;
             # keep training as it was (a fresh Adam step differs from one at step 2)
@@ -58,7 +66,7 @@ class ModelState:
             model_sd.update({alias: model_sd[first] for alias in aliases if first in model_sd})
         optim_sd = state.get("optimizer") if self.optimizer is not None else None
         set_state_dict(self.model, self.optimizer if optim_sd is not None else [],
-                       model_state_dict=model_sd, optim_state_dict=optim_sd or {})
+                       model_state_dict=model_sd, optim_state_dict=optim_sd or {}, options=self._options())
         if optim_sd is not None and not state.get("stepped", True):
             self.optimizer.state.clear()
 
