@@ -395,6 +395,27 @@ def test_a_torn_metrics_line_is_dropped_with_a_warning_and_resume_goes_on(tmp_pa
     assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("spoil", ["torn", "garbage"])
+def test_a_bad_fingerprints_line_is_dropped_with_a_warning_and_resume_goes_on(tmp_path, spoil):
+    train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
+    path = tmp_path / "fingerprints.jsonl"
+    lines = path.read_text().splitlines()
+    assert [json.loads(x).get("step") for x in lines[1:]] == [1, 2, 3, 4]
+    if spoil == "torn":  # a crash mid-write: the last record cut in half
+        lines[-1] = lines[-1][: len(lines[-1]) // 2]
+        bad, kept = len(lines), [1, 2, 3, 5]  # step 4's record is lost; the resume goes on after its checkpoint
+    else:  # a garbage line among whole records (a disk error, a stray write)
+        lines.insert(2, "\x00\x00 not json {")
+        bad, kept = 3, [1, 2, 3, 4, 5]
+    path.write_text("\n".join(lines) + "\n")
+    said: list[str] = []
+    more = train(tmp_path, steps=5, resume=True, say=said.append, **{"trainer.checkpoint_every": 2})
+    assert [r["step"] for r in more] == [5]
+    assert any(str(path) in m and f"line {bad} " in m and "dropped it" in m for m in said), said
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    assert "header" in records[0] and [r["step"] for r in records[1:]] == kept
+
+
 def test_resume_drops_only_the_rows_after_the_checkpoint(tmp_path):
     train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
     newest = CheckpointStore(tmp_path / "checkpoints").complete()[0]
