@@ -439,6 +439,61 @@ def _replace_in_checkpoint(path: Path, name: str, data: bytes) -> None:
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
+# ---------------------------------------------------------------- the data is part of the run's identity
+def _prompts(path: Path, seed: int) -> Path:
+    from operators.data.tasks import TaskRows
+
+    rows = TaskRows("copy", size=16, seed=seed)
+    path.write_text("".join(json.dumps(rows[i]) + "\n" for i in range(len(rows))))
+    return path
+
+
+def test_a_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_path):
+    data = _prompts(tmp_path / "prompts.jsonl", seed=0)
+    original = data.read_bytes()
+    on_file = {"data.source": str(data), "trainer.checkpoint_every": 2}
+    train(tmp_path / "run", steps=2, **on_file)
+    [ckpt] = CheckpointStore(tmp_path / "run" / "checkpoints").complete()
+    recorded = json.loads((ckpt / "meta.json").read_text())["data"]
+    assert recorded == {"source": str(data), "path": str(data.resolve()), "size": len(original),
+                        "sha256": hashlib.sha256(original).hexdigest()}
+
+    _prompts(data, seed=1)  # the same file name, other prompts: the run would silently be another one
+    g = load_graph("grpo", overrides={**TINY, **on_file})
+    from flowrl.store.checkpoint import DataChanged
+
+    with pytest.raises(DataChanged) as err:  # refused while the trainer is made, before a worker is waited on
+        Trainer(g, backend="local", steps=3, out=tmp_path / "run", resume=True)
+    message = flat(str(err.value))
+    assert f"the data source {data.resolve()} changed since checkpoint {ckpt} was saved" in message
+    assert "sha256: '" + hashlib.sha256(original).hexdigest()[:12] in message and "--allow-data-change" in message
+    done = cli("run", "grpo", "--backend", "local", "--steps", "3", "--out", str(tmp_path / "run"), "--resume",
+               *TINY_SET, "--set", f"data.source={data}", "--set", "trainer.checkpoint_every=2")
+    assert done.returncode == 1 and "Traceback" not in done.stderr + done.stdout
+    assert "--allow-data-change" in flat(done.stderr) and str(data.resolve()) in flat(done.stderr)
+    assert steps_of(tmp_path / "run") == [1, 2]  # nothing written
+
+    said: list[str] = []
+    more = Trainer(g, backend="local", steps=3, out=tmp_path / "run", resume=True, say=said.append,
+                   allow_data_change=True).run()
+    assert [r["step"] for r in more] == [3]
+    assert any("changed since checkpoint" in m and "(--allow-data-change)" in m for m in said), said
+    newest = CheckpointStore(tmp_path / "run" / "checkpoints").complete()[0]
+    assert json.loads((newest / "meta.json").read_text())["data"]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+
+    data.write_bytes(original)  # the data back as step 2 saw it, on a copy of the run cut there: no word
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "run", cut)
+    shutil.rmtree(cut / "checkpoints" / newest.name)
+    said.clear()
+    assert [r["step"] for r in train(cut, steps=3, resume=True, say=said.append, **on_file)] == [3]
+    assert not any("since checkpoint" in m for m in said), said
+
+
+def steps_of(out: Path) -> list[int]:
+    return [r["step"] for r in rows(out)]
+
+
 def test_a_pickled_callable_in_a_checkpoint_is_refused_without_running_it(tmp_path):
     train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
     newest = CheckpointStore(tmp_path / "checkpoints").complete()[0]

@@ -58,8 +58,9 @@ from flowrl.run.hooks import Dumps, Fingerprints, MetricsSinks, Records, Startup
 from flowrl.runtime.backends import make_backend, start_early, stop_early
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.steps import StepHook
-from flowrl.store.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
-                                     fingerprint, worker_counts)
+from flowrl.store.checkpoint import (CheckpointError, CheckpointStore, DataChanged, UnreadableCheckpoint,
+                                     data_changes, differences, fingerprint, worker_counts)
+from flowrl.store.verify import read_meta
 from flowrl.store.rundir import RunDirectory, run_dir_of
 from flowrl.store.runlog import RUN_LOG, record_failure
 
@@ -86,8 +87,11 @@ class Trainer:
         overwrite: bool = False,
         history_limit: int | None = None,
         show_startup: bool = False,
+        allow_data_change: bool = False,
     ) -> None:
-        """``show_startup``: after the first step, ``say`` the start-up timeline (``flowrl run -v``)."""
+        """``show_startup``: after the first step, ``say`` the start-up timeline (``flowrl run -v``);
+        ``allow_data_change``: resume although the data source changed since the checkpoint
+        (``flowrl run --allow-data-change``; refused otherwise, before the workers are waited on)."""
         self.graph = graph
         cfg = graph.config
         self.steps = steps if steps is not None else cfg.trainer.steps
@@ -106,12 +110,16 @@ class Trainer:
         try:
             self.source = make_source(cfg)
             self.val_source = make_source(cfg, split="val") if self.runtime.plan.validation is not None else None
+            #: what the prompts come from (a file's digest, a generator's settings), kept in every checkpoint
+            self.data: dict[str, Any] | None = self.source.identity() if hasattr(self.source, "identity") else None
+            self.resuming, self.say, self.overwrite, self.allow_data_change = resume, say, overwrite, allow_data_change
+            if resume:
+                self._check_newest_data()
         except BaseException:
             stop_early(self.runtime.backend)  # no run will use the workers asked for above
             raise
         if self.trace is None:
             self.runtime.timeline.keep_last(TIMELINE_RECORDS)
-        self.resuming, self.say, self.overwrite = resume, say, overwrite
         #: the signal that stopped the run gracefully (``signal.SIGINT`` or ``signal.SIGTERM``), if any
         self.stop_signal: int | None = None
         self.stopped = False
@@ -212,7 +220,7 @@ class Trainer:
             hook.sync()
         dump = self.graph.config.dump()
         meta = {"graph": fingerprint(dump), "workers": worker_counts(dump), "name": self.graph.name,
-                "saved_at": time.time()}
+                "saved_at": time.time(), "data": self.data}
         path = self.store.save(step, payload, meta)
         self.say(f"checkpoint: {path}")
 
@@ -235,6 +243,7 @@ class Trainer:
                     + "; ".join(diff[:10]) + ("; ..." if len(diff) > 10 else "")
                     + ". Resume with the graph it was written by, or start a new run directory (--out)."
                 )
+            self._check_data(meta, path)
             step = payload["step"]
             if step + 1 >= self.steps:
                 raise CheckpointError(f"checkpoint {path} is at step {step + 1} of {self.steps}: nothing left "
@@ -259,6 +268,38 @@ class Trainer:
         self._rewind(step + 1)
         self.say(f"resuming from {path} at step {step + 2}")
         return step + 1
+
+    def _check_newest_data(self) -> None:
+        """Refuse a changed data source against the newest checkpoint's record before the run waits on its
+        workers; a checkpoint that does not read is left to :meth:`resume`, which names it and falls back."""
+        found = self.store.complete()
+        try:
+            meta = read_meta(found[0]) if found else None
+        except UnreadableCheckpoint:
+            return
+        if isinstance(meta, dict):
+            self._check_data(meta, found[0], quiet=True)
+
+    def _check_data(self, meta: dict[str, Any], path: Path, quiet: bool = False) -> None:
+        """:class:`DataChanged` when the data source no longer holds what the checkpoint at ``path`` was trained
+        on, unless ``--allow-data-change`` (then said, unless ``quiet``). A checkpoint written before
+        flowrl recorded its data has nothing to compare."""
+        saved = meta.get("data")
+        if not isinstance(saved, dict) or self.data is None:
+            return
+        changed = data_changes(saved, self.data)
+        if not changed:
+            return
+        what = "; ".join(changed[:6]) + ("; ..." if len(changed) > 6 else "")
+        name = self.data.get("path") or self.data.get("source")
+        if self.allow_data_change:
+            if not quiet:
+                self.say(f"the data source {name} changed since checkpoint {path} ({what}); going on with the "
+                         f"new data (--allow-data-change)")
+            return
+        raise DataChanged(f"the data source {name} changed since checkpoint {path} was saved ({what}): resuming on "
+                          f"it would be a different run. Restore the data the run was trained on, pass "
+                          f"--allow-data-change to go on with the new data, or start a new run directory (--out)")
 
     def _install_signals(self) -> Callable[[], None]:
         """First Ctrl-C or SIGTERM: finish the steps in flight, save, stop. A second one aborts."""

@@ -244,6 +244,20 @@ def steps_done(path: Path) -> int:
     return int(m.group(1))
 
 
+class DataChanged(CheckpointError):
+    """A resume whose data source no longer holds what the checkpoint's run was trained on."""
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How a data source's identity (a source's ``identity()``, recorded in ``meta.json``) changed: its
+    contents or its generator's settings; the path aside (the same bytes moved are the same data)."""
+    def shown(identity: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v[:12] + "…" if k == "sha256" and isinstance(v, str) else v)
+                for k, v in identity.items() if k != "path"}
+
+    return differences(shown(saved), shown(now))
+
+
 def fingerprint(config_dump: dict[str, Any]) -> dict[str, Any]:
     """The part of a graph config a checkpoint is bound to: run-length settings and pools'
     worker counts excluded (a sharded role's checkpoint reshards onto any number of ranks;
