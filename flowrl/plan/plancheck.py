@@ -48,6 +48,7 @@ class PlanCheck:
         self.seen: list[dict[str, float]] = []  # the timing/<node> of the steps so far (the first left out)
         self.warned: set[str] = set()
         self.steps = 0
+        self._tasks: dict[TaskKey, float] | None = None  # task_seconds() until the next step is observed
 
     @staticmethod
     def per_node(seconds: dict[TaskKey, float]) -> dict[str, float]:
@@ -57,17 +58,27 @@ class PlanCheck:
             out[node] = out.get(node, 0.0) + s
         return out
 
+    def task_seconds(self) -> dict[TaskKey, float] | None:
+        """Each task's predicted seconds now: from the cost file, else from the node times measured so far
+        (None before anything to predict from). The hang report calibrates itself on them; they change only
+        when a step is observed, so they are kept until then (the watchdog asks on every poll)."""
+        if self._tasks is None:
+            if self.costs is not None:
+                self._tasks = task_seconds(self.plan, self.costs)
+            elif self.seen:  # measured as they ran, sharing the cores already
+                self._tasks = spread(self.plan, node_seconds(self.seen, self.plan.graph.nodes), missing=0.0)
+        return self._tasks
+
     def predicted(self) -> tuple[float, dict[str, float], float] | None:
         """Seconds per step, per node and of the critical path as predicted now (None before anything
         to predict from)."""
+        seconds = self.task_seconds()
+        if seconds is None:
+            return None
         if self.costs is not None:  # the search's prediction: its tasks share this machine's cores
             step_s = predict_step(self.plan, self.costs, cores_for(self.plan, float(os.cpu_count() or 1)), STEPS)[0]
-            seconds = task_seconds(self.plan, self.costs)
-        elif self.seen:  # measured as they ran, sharing the cores already: simulated with a device each
-            seconds = spread(self.plan, node_seconds(self.seen, self.plan.graph.nodes), missing=0.0)
+        else:  # measured tasks, simulated with a device each
             step_s = seconds_per_step(self.plan, seconds, STEPS)[0]
-        else:
-            return None
         return step_s, self.per_node(seconds), bounds_of(self.plan, seconds)[0]
 
     def observe(self, row: dict[str, Any]) -> dict[str, float]:
@@ -78,6 +89,7 @@ class PlanCheck:
         nodes = {n: row[f"timing/{n}"] for n in self.plan.graph.nodes if f"timing/{n}" in row}
         if self.steps > 1 and nodes:  # the first step warms up: it predicts nothing for later ones
             self.seen.append({f"timing/{n}": s for n, s in nodes.items()})
+            self._tasks = None
         if prediction is None or not measured:
             return {}
         step_s, per_node, critical = prediction

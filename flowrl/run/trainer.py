@@ -54,6 +54,7 @@ from flowrl.graph import Graph
 from flowrl.graph.registry import make_source
 from flowrl.plan.plancheck import PlanCheck
 from flowrl.recovery.recovery import Recovery
+from flowrl.recovery.watchdog import StuckReport
 from flowrl.run.hooks import Dumps, Fingerprints, MetricsSinks, Records, StartupLines, Timing
 from flowrl.runtime.backends import make_backend, start_early, stop_early
 from flowrl.runtime.scheduler import Runtime
@@ -135,7 +136,10 @@ class Trainer:
         # rows a step generates: prompts × the largest expansion (n samples per prompt)
         samples = cfg.data.batch_size * max(sp.factor for sp in plan.spaces.values())
         tokens = self.graph.token_metrics()  # the operator that generates says which metric counts tokens
-        timing = Timing(samples, PlanCheck(plan, self.out, self.say), tokens.mean if tokens is not None else None)
+        check = PlanCheck(plan, self.out, self.say)
+        timing = Timing(samples, check, tokens.mean if tokens is not None else None)
+        # a hang is reported once the run can predict its tasks: 10x past the plan check's prediction
+        self.recovery.stuck = StuckReport(self.say, check.task_seconds)
         hooks: list[StepHook] = [timing, self.sinks]
         if cfg.trainer.fingerprints:
             hooks.append(Fingerprints(self.out, self.graph, plan, self.say))

@@ -49,7 +49,7 @@ from flowrl.store.verify import FORMAT, MANIFEST, checksums, read_meta, verify
 
 #: trainer keys that may change between a run and its resumption
 RESUMABLE_KEYS = ("steps", "out", "checkpoint_every", "keep_checkpoints", "log_every", "val_every",
-                  "dump_rollouts", "wandb_project", "record", "fault")
+                  "dump_rollouts", "wandb_project", "record", "fault", "stuck_factor", "stuck_min_s")
 
 
 #: the folder of a run directory (``trainer.out``) that holds its checkpoints
