@@ -693,3 +693,19 @@ def test_a_refusal_that_needs_no_ray_comes_before_ray_starts(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing lost
     res = cli("run", "grpo", "--resume", "--address", "127.0.0.1:1", "--out", str(tmp_path / "empty"), *TINY_SET)
     assert res.returncode == 1 and "nothing to resume" in flat(res.stdout + res.stderr)
+
+
+def test_ray_failing_to_start_during_resume_names_ray_and_leaves_the_checkpoints_untouched(two_checkpoints, tmp_path):
+    """Issue 36 item 3: Ray's failure during ``--resume`` was reported as "every checkpoint … is unreadable"
+    about files never read, and the natural reaction to that (``--overwrite``, deleting them) loses the run."""
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    before = {p: p.read_bytes() for p in sorted((run / "checkpoints").rglob("*")) if p.is_file()}
+    res = cli("run", "grpo", "--resume", "--steps", "6", "--address", "127.0.0.1:1", "--out", str(run), *TINY_SET,
+              "--set", "trainer.checkpoint_every=2")
+    both = flat(res.stdout + res.stderr)
+    assert res.returncode == 1 and "Traceback" not in both
+    assert "cannot reach the Ray cluster at 127.0.0.1:1 (--address)" in both
+    assert "unreadable" not in both and "--overwrite" not in both
+    assert {p: p.read_bytes() for p in sorted((run / "checkpoints").rglob("*")) if p.is_file()} == before
+    assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]

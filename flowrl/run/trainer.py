@@ -56,6 +56,7 @@ from flowrl.plan.plancheck import PlanCheck
 from flowrl.recovery.recovery import Recovery
 from flowrl.recovery.watchdog import StuckReport
 from flowrl.run.hooks import Dumps, Fingerprints, MetricsSinks, Records, StartupLines, Timing
+from flowrl.runtime.backend import describe_death
 from flowrl.runtime.backends import make_backend, start_early, stop_early
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.steps import StepHook
@@ -257,6 +258,11 @@ class Trainer:
                 if payload["source"] is not None:
                     self.source.load_state_dict(payload["source"])
             except Exception as e:  # noqa: BLE001 - a tensor of the wrong shape, a missing key: try the previous one
+                death = describe_death(e) or describe_death(getattr(e, "cause", None) or e)
+                if death is not None:  # the workers failed, not the checkpoint: never call it unreadable
+                    raise CheckpointError(f"a worker died while checkpoint {path} was loaded into it ({death}); the "
+                                          f"checkpoint was not found wrong and is untouched: run again with --resume"
+                                          ) from None
                 text = str(e).strip().splitlines()
                 raise UnreadableCheckpoint(f"it does not fit the graph's roles: {type(e).__name__}: "
                                            f"{text[0] if text else ''}") from None
