@@ -120,6 +120,7 @@ class Trainer:
         except BaseException:
             stop_early(self.runtime.backend)  # no run will use the workers asked for above
             raise
+        self._source_start: dict[str, Any] | None = None  # the data's position before the first step (start_over)
         if self.trace is None:
             self.runtime.timeline.keep_last(TIMELINE_RECORDS)
         #: the signal that stopped the run gracefully (``signal.SIGINT`` or ``signal.SIGTERM``), if any
@@ -175,6 +176,8 @@ class Trainer:
     def _run(self) -> list[dict[str, float]]:
         self.runtime.hooks[:] = self.hooks
         self.runtime.start()  # ray.init installs a SIGTERM handler of its own: ours go in after it
+        # where a rollback before any checkpoint takes the data back to (start_over)
+        self._source_start = self.source.state_dict() if hasattr(self.source, "state_dict") else None
         start = self.resume() if self.resuming else self._rewind(0)
         (self.out / "config.yaml").write_text(yaml.safe_dump(self.graph.config.dump(), sort_keys=False))
         restore_signals = self._install_signals()
@@ -310,6 +313,14 @@ class Trainer:
         raise DataChanged(f"the data source {name} changed since checkpoint {path} was saved ({what}): resuming on "
                           f"it would be a different run. Restore the data the run was trained on, pass "
                           f"--allow-data-change to go on with the new data, or start a new run directory (--out)")
+
+    def start_over(self) -> int:
+        """Take the run back to before its first step: the data at its start, every sink emptied (a rollback
+        before any checkpoint, its pools started anew: :mod:`flowrl.recovery.rollback`); 0."""
+        if self._source_start is not None:
+            self.source.load_state_dict(self._source_start)
+        self.say("no checkpoint yet: going back to the start of the run")
+        return self._rewind(0)
 
     def _install_signals(self) -> Callable[[], None]:
         """First Ctrl-C or SIGTERM: finish the steps in flight, save, stop. A second one aborts."""
