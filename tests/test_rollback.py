@@ -15,6 +15,8 @@ from flowrl.run.trainer import Trainer
 from tests.shared_runs import STEPS, TWO
 
 pytest.importorskip("ray")
+# a 2-worker Ray run whose pool is started anew in it: past the default 300 s on a loaded 2-core machine
+pytestmark = pytest.mark.timeout(1200)
 
 KILL = "node=update_actor,step=5,rank=1,kind=kill"
 
