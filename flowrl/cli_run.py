@@ -41,6 +41,8 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="continue from the newest checkpoint in the run directory"),
     overwrite: bool = typer.Option(False, "--overwrite",
                                    help="replace the run already in the run directory (its metrics and checkpoints)"),
+    allow_data_change: bool = typer.Option(False, "--allow-data-change",
+                                           help="with --resume: go on although the data changed since the checkpoint"),
     ray_listen_all: bool = typer.Option(
         False, "--ray-listen-all",
         help="let the local Ray listen on every network interface (default: 127.0.0.1 only; "
@@ -86,7 +88,8 @@ def run(
                       else "making the plan and opening the data")
             trainer = Trainer(g, backend=backend, steps=steps, out=out, address=address, trace=trace,
                               on_step=view.step, on_progress=view.progress, resume=resume, say=view.say,
-                              overwrite=overwrite, history_limit=0, show_startup=verbose, on_wait=view.wait)
+                              overwrite=overwrite, history_limit=0, show_startup=verbose, on_wait=view.wait,
+                              allow_data_change=allow_data_change)
             view.placement = dict(trainer.runtime.plan.moved)
             trainer.run()
     except RuntimeFailure as e:

@@ -32,6 +32,10 @@ DIAGNOSE_S = 2.0
 THREAD_EXIT_S = 2.0
 #: one tool call or environment step of a multi-turn rollout (``tool_timeout_s``)
 TOOL_CALL_S = 10.0
+#: a task this many times past its predicted seconds is reported stuck, with its stacks (``trainer.stuck_factor``)
+STUCK_FACTOR = 10.0
+#: ... and at least this long past its start (``trainer.stuck_min_s``): short tasks vary more than 10×
+STUCK_MIN_S = 60.0
 
-__all__ = ["COLLECTIVE_S", "DIAGNOSE_S", "GROUP_JOIN_S", "PLACEMENT_S", "RAY_REACH_S", "STACKS_S", "TASK_S",
+__all__ = ["COLLECTIVE_S", "DIAGNOSE_S", "GROUP_JOIN_S", "PLACEMENT_S", "RAY_REACH_S", "STACKS_S", "STUCK_FACTOR", "STUCK_MIN_S", "TASK_S",
            "THREAD_EXIT_S", "TOOL_CALL_S"]

@@ -235,6 +235,13 @@ class PromptSource:
         self.loader = PromptLoader(self.dataset, batch, shuffle=cfg.shuffle and split == "train",
                                    seed=seed, drop_last=split == "train")
         self.step = 0
+        self._generated = {"source": spec, "config": getattr(cfg, "config", {}), "task_size": size, "seed": data_seed}
+
+    def identity(self) -> dict[str, Any]:
+        """What the prompts come from, as a checkpoint records it (a resume refuses another): a file's
+        path, size and the sha256 of the bytes read; a generated task's name, options, size and seed."""
+        read = getattr(self.dataset.rows, "identity", None)
+        return {"source": self._generated["source"], **read} if read is not None else dict(self._generated)
 
     def next_batch(self) -> DataProto:
         from flowrl.data import DataProto

@@ -154,3 +154,41 @@ def test_the_collective_summary_names_the_ranks_that_did_not_arrive_and_those_th
     assert "rank 2 (in no collective)" in text
     assert "rank 3 (no answer: train[3] (pid 42) did not answer for its stacks within 5s" in text
     assert collective_summary("train", {0: never, 1: stopped}) == ""  # nobody waits in a collective
+
+
+def test_a_task_far_past_its_measured_time_is_reported_stuck_with_its_stack_long_before_the_timeout(tmp_path):
+    """Issue 36 item 7: with the defaults a hang was reported only after schedule.timeout_s (an hour). Once the
+    run has measured steps, a task stuck_factor times past its predicted seconds (and stuck_min_s) is reported
+    with its stacks; the hard timeout still fails it."""
+    from flowrl.graph import load_graph
+    from flowrl.run.trainer import Trainer
+
+    said: list[str] = []
+    g = load_graph("grpo", overrides={"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4,
+                                      "trainer.fault": "node=reward,step=4,kind=hang", "trainer.stuck_min_s": 0.5,
+                                      "schedule.timeout_s": 30})
+    trainer = Trainer(g, backend="local", steps=4, out=tmp_path / "run", say=said.append)
+    with pytest.raises(NodeTimeoutError) as exc:
+        trainer.run()
+    assert "past its timeout_s=30" in str(exc.value)  # the hard timeout stays
+    [report] = [m for m in said if "it looks stuck" in m]
+    assert report.startswith("node 'reward' (step 4) has run ") and "its predicted" in report
+    assert "trainer.stuck_factor=10, trainer.stuck_min_s=0.5" in report and "schedule.timeout_s=30 fails it" in report
+    assert f'faults.py", line {_line_of(faults._sleep_forever, "time.sleep")}' in report  # the stack it hangs in
+
+
+def test_the_stuck_report_needs_a_prediction_and_can_be_turned_off():
+    from flowrl.graph import load_graph
+    from flowrl.recovery.watchdog import StuckReport
+
+    g = load_graph("grpo")
+    assert g.config.trainer.stuck_factor == 10 and g.config.trainer.stuck_min_s == 60  # the declared defaults
+    key = ("reward", None)
+    said: list[str] = []
+    report = StuckReport(said.append, lambda: None)
+    assert report.past(g, 0, key, 10_000.0) is None  # nothing measured yet, no cost file: no prediction
+    report = StuckReport(said.append, lambda: {key: 2.0})
+    assert report.past(g, 0, key, 59.0) is None  # 10x is 20 s, but stuck_min_s is 60
+    assert report.past(g, 0, key, 61.0) == 2.0 and report.past(g, 0, key, 99.0) is None  # once per task
+    off = load_graph("grpo", overrides={"trainer.stuck_factor": None})
+    assert StuckReport(said.append, lambda: {key: 2.0}).past(off, 0, key, 10_000.0) is None

@@ -329,3 +329,34 @@ def test_a_verl_contract_tool_runs_in_grpo_tools_as_the_native_tool_does(tmp_pat
     assert native == verl
     assert all(row["multi_turn/tool_calls_per_sample"] > 0 and row["multi_turn/tool_success_rate"] > 0
                for row in native)
+
+
+def test_concurrent_large_tool_outputs_are_bounded_per_worker_and_cut_with_a_marker():
+    """Issue 36: memory for large tool outputs grew with concurrent calls × output size. 32 conversations call a
+    tool that builds 4 MB and then awaits (its output held, uncut, meanwhile): at most max_concurrent_tool_calls
+    of them run at once, and the model reads each cut to max_tool_response_length with the '...' marker."""
+    running, most = 0, 0
+
+    async def calc(x: int) -> str:
+        """4 MB of text, held across an await."""
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        text = "y" * 4_000_000
+        await asyncio.sleep(0.02)
+        running -= 1
+        return text
+
+    prompts = [f"{a}+1=" for a in range(10, 42)]
+    script = lambda user: [tool_call_text("calc", {"x": 1}), "3"]
+    cfg = AgentConfig(max_response_length=400, max_tool_response_length=8, max_concurrent_tool_calls=2)
+    tracemalloc.start()
+    try:
+        results, _, _ = run(script, prompts, cfg, tools={"calc": FunctionTool(calc)})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert all(r[0].messages[1]["content"] == "yyyyyyyy..." for r in results)
+    assert most == 2  # 32 calls, two at a time
+    assert peak < 4 * 4_000_000  # two uncut outputs and change, not 32 (128 MB)
+    assert AgentConfig().max_concurrent_tool_calls == 16 and AgentConfig().max_tool_response_length == 256

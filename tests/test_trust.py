@@ -395,6 +395,27 @@ def test_a_torn_metrics_line_is_dropped_with_a_warning_and_resume_goes_on(tmp_pa
     assert [r["step"] for r in rows(tmp_path)] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.parametrize("spoil", ["torn", "garbage"])
+def test_a_bad_fingerprints_line_is_dropped_with_a_warning_and_resume_goes_on(tmp_path, spoil):
+    train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
+    path = tmp_path / "fingerprints.jsonl"
+    lines = path.read_text().splitlines()
+    assert [json.loads(x).get("step") for x in lines[1:]] == [1, 2, 3, 4]
+    if spoil == "torn":  # a crash mid-write: the last record cut in half
+        lines[-1] = lines[-1][: len(lines[-1]) // 2]
+        bad, kept = len(lines), [1, 2, 3, 5]  # step 4's record is lost; the resume goes on after its checkpoint
+    else:  # a garbage line among whole records (a disk error, a stray write)
+        lines.insert(2, "\x00\x00 not json {")
+        bad, kept = 3, [1, 2, 3, 4, 5]
+    path.write_text("\n".join(lines) + "\n")
+    said: list[str] = []
+    more = train(tmp_path, steps=5, resume=True, say=said.append, **{"trainer.checkpoint_every": 2})
+    assert [r["step"] for r in more] == [5]
+    assert any(str(path) in m and f"line {bad} " in m and "dropped it" in m for m in said), said
+    records = [json.loads(x) for x in path.read_text().splitlines()]
+    assert "header" in records[0] and [r["step"] for r in records[1:]] == kept
+
+
 def test_resume_drops_only_the_rows_after_the_checkpoint(tmp_path):
     train(tmp_path, steps=4, **{"trainer.checkpoint_every": 2})
     newest = CheckpointStore(tmp_path / "checkpoints").complete()[0]
@@ -416,6 +437,61 @@ def _replace_in_checkpoint(path: Path, name: str, data: bytes) -> None:
     manifest = json.loads((path / "manifest.json").read_text())
     manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+# ---------------------------------------------------------------- the data is part of the run's identity
+def _prompts(path: Path, seed: int) -> Path:
+    from operators.data.tasks import TaskRows
+
+    rows = TaskRows("copy", size=16, seed=seed)
+    path.write_text("".join(json.dumps(rows[i]) + "\n" for i in range(len(rows))))
+    return path
+
+
+def test_a_resume_on_changed_data_is_refused_naming_the_file_unless_allowed(tmp_path):
+    data = _prompts(tmp_path / "prompts.jsonl", seed=0)
+    original = data.read_bytes()
+    on_file = {"data.source": str(data), "trainer.checkpoint_every": 2}
+    train(tmp_path / "run", steps=2, **on_file)
+    [ckpt] = CheckpointStore(tmp_path / "run" / "checkpoints").complete()
+    recorded = json.loads((ckpt / "meta.json").read_text())["data"]
+    assert recorded == {"source": str(data), "path": str(data.resolve()), "size": len(original),
+                        "sha256": hashlib.sha256(original).hexdigest()}
+
+    _prompts(data, seed=1)  # the same file name, other prompts: the run would silently be another one
+    g = load_graph("grpo", overrides={**TINY, **on_file})
+    from flowrl.store.checkpoint import DataChanged
+
+    with pytest.raises(DataChanged) as err:  # refused while the trainer is made, before a worker is waited on
+        Trainer(g, backend="local", steps=3, out=tmp_path / "run", resume=True)
+    message = flat(str(err.value))
+    assert f"the data source {data.resolve()} changed since checkpoint {ckpt} was saved" in message
+    assert "sha256: '" + hashlib.sha256(original).hexdigest()[:12] in message and "--allow-data-change" in message
+    done = cli("run", "grpo", "--backend", "local", "--steps", "3", "--out", str(tmp_path / "run"), "--resume",
+               *TINY_SET, "--set", f"data.source={data}", "--set", "trainer.checkpoint_every=2")
+    assert done.returncode == 1 and "Traceback" not in done.stderr + done.stdout
+    assert "--allow-data-change" in flat(done.stderr) and str(data.resolve()) in flat(done.stderr)
+    assert steps_of(tmp_path / "run") == [1, 2]  # nothing written
+
+    said: list[str] = []
+    more = Trainer(g, backend="local", steps=3, out=tmp_path / "run", resume=True, say=said.append,
+                   allow_data_change=True).run()
+    assert [r["step"] for r in more] == [3]
+    assert any("changed since checkpoint" in m and "(--allow-data-change)" in m for m in said), said
+    newest = CheckpointStore(tmp_path / "run" / "checkpoints").complete()[0]
+    assert json.loads((newest / "meta.json").read_text())["data"]["sha256"] == hashlib.sha256(data.read_bytes()).hexdigest()
+
+    data.write_bytes(original)  # the data back as step 2 saw it, on a copy of the run cut there: no word
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "run", cut)
+    shutil.rmtree(cut / "checkpoints" / newest.name)
+    said.clear()
+    assert [r["step"] for r in train(cut, steps=3, resume=True, say=said.append, **on_file)] == [3]
+    assert not any("since checkpoint" in m for m in said), said
+
+
+def steps_of(out: Path) -> list[int]:
+    return [r["step"] for r in rows(out)]
 
 
 def test_a_pickled_callable_in_a_checkpoint_is_refused_without_running_it(tmp_path):
@@ -617,3 +693,19 @@ def test_a_refusal_that_needs_no_ray_comes_before_ray_starts(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing lost
     res = cli("run", "grpo", "--resume", "--address", "127.0.0.1:1", "--out", str(tmp_path / "empty"), *TINY_SET)
     assert res.returncode == 1 and "nothing to resume" in flat(res.stdout + res.stderr)
+
+
+def test_ray_failing_to_start_during_resume_names_ray_and_leaves_the_checkpoints_untouched(two_checkpoints, tmp_path):
+    """Issue 36 item 3: Ray's failure during ``--resume`` was reported as "every checkpoint … is unreadable"
+    about files never read, and the natural reaction to that (``--overwrite``, deleting them) loses the run."""
+    run = tmp_path / "run"
+    shutil.copytree(two_checkpoints, run)
+    before = {p: p.read_bytes() for p in sorted((run / "checkpoints").rglob("*")) if p.is_file()}
+    res = cli("run", "grpo", "--resume", "--steps", "6", "--address", "127.0.0.1:1", "--out", str(run), *TINY_SET,
+              "--set", "trainer.checkpoint_every=2")
+    both = flat(res.stdout + res.stderr)
+    assert res.returncode == 1 and "Traceback" not in both
+    assert "cannot reach the Ray cluster at 127.0.0.1:1 (--address)" in both
+    assert "unreadable" not in both and "--overwrite" not in both
+    assert {p: p.read_bytes() for p in sorted((run / "checkpoints").rglob("*")) if p.is_file()} == before
+    assert [r["step"] for r in rows(run)] == [1, 2, 3, 4]

@@ -43,7 +43,7 @@ from flowrl.graph.problems import (
     UnresolvedInputWarning,
     UnusedOutputWarning,
 )
-from flowrl.graph.config import parse_fault
+from flowrl.graph.config import FAULT_WINDOWS, parse_fault
 from flowrl.graph.spec import SOURCE
 
 if TYPE_CHECKING:  # the IR calls these checks (Graph.check); they only read it
@@ -370,7 +370,7 @@ def _check_run_settings(graph: Graph, add) -> None:
     named = [(("trainer", "record", "nodes", i), name) for i, name in enumerate(record.nodes if record else [])]
     named += [(("trainer", "fault"), parse_fault(fault).node)] if fault is not None else []
     for path, name in named:  # trainer keys that name a node
-        if name not in graph.nodes:
+        if name not in graph.nodes and not (path[1] == "fault" and name in FAULT_WINDOWS):
             near = difflib.get_close_matches(name, list(graph.nodes), n=1, cutoff=0.5)
             add(SchemaError(f"{'.'.join(map(str, path[:3]))} names {name!r}, which is not a node of this graph",
                             location=graph.locate(*path), field=path[1],

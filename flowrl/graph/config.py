@@ -27,7 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from flowrl.errors import ConfigError
-from flowrl.timeouts import COLLECTIVE_S, TASK_S
+from flowrl.timeouts import COLLECTIVE_S, STUCK_FACTOR, STUCK_MIN_S, TASK_S
 
 #: keys of a node that are not operator parameters
 NODE_KEYS = ("op", "role", "inputs", "outputs", "after", "timeout_s", "cost", "on_error")
@@ -115,6 +115,9 @@ class OnErrorConfig(_Strict):
 
 #: what a fault does when it fires: raise an error, hang forever, or kill the worker's process
 FAULT_KINDS = ("raise", "hang", "kill")
+#: moments of a step the fault switch can fire in besides a node's task: a worker's state being taken for
+#: the checkpoint of that step (``node=checkpoint``), any task of the validation run after it (``node=validation``)
+FAULT_WINDOWS = ("checkpoint", "validation")
 
 
 class FaultSpecError(ConfigError, ValueError):
@@ -225,6 +228,10 @@ class TrainerConfig(_Strict):
         "warn", description="the per-step checks on fingerprints (weights changed, arrived, as planned; NaN): "
         "warn, stop the run (fatal), or off")
     record: RecordConfig | None = Field(None, description="save chosen nodes' outputs per step for flowrl replay")
+    stuck_factor: float | None = Field(
+        STUCK_FACTOR, gt=1, description="report a task with its stacks as stuck once it has run this many times its "
+        "predicted seconds (from costs.json or the steps measured so far; null: never); schedule.timeout_s still fails it")
+    stuck_min_s: float = Field(STUCK_MIN_S, gt=0, description="... and at least this many seconds")
     fault: str | None = Field(None, description="inject a failure, for tests and rehearsals: "
                               "'node=reward,step=3,rank=0,kind=raise|hang|kill,mb=0,times=1' (flowrl run --fault)")
 

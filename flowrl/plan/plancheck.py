@@ -83,6 +83,7 @@ class PlanCheck:
         self.streak: list[tuple[float, str]] = []  # the drifting steps in a row: error, the node drifting most
         self.warned = False
         self.steps = 0
+        self._tasks: dict[TaskKey, float] | None = None  # task_seconds() until the next step is observed
 
     @staticmethod
     def per_node(seconds: dict[TaskKey, float]) -> dict[str, float]:
@@ -92,17 +93,27 @@ class PlanCheck:
             out[node] = out.get(node, 0.0) + s
         return out
 
+    def task_seconds(self) -> dict[TaskKey, float] | None:
+        """Each task's predicted seconds now: from the cost file, else from the node times measured so far
+        (None before anything to predict from). The hang report calibrates itself on them; they change only
+        when a step is observed, so they are kept until then (the watchdog asks on every poll)."""
+        if self._tasks is None:
+            if self.costs is not None:
+                self._tasks = task_seconds(self.plan, self.costs)
+            elif self.seen:  # measured as they ran, sharing the cores already
+                self._tasks = spread(self.plan, node_seconds(self.seen, self.plan.graph.nodes), missing=0.0)
+        return self._tasks
+
     def predicted(self) -> tuple[float, dict[str, float], float] | None:
         """Seconds per step, per node and of the critical path as predicted now (None before anything
         to predict from)."""
+        seconds = self.task_seconds()
+        if seconds is None:
+            return None
         if self.costs is not None:  # the search's prediction: its tasks share this machine's cores
             step_s = predict_step(self.plan, self.costs, cores_for(self.plan, float(os.cpu_count() or 1)), STEPS)[0]
-            seconds = task_seconds(self.plan, self.costs)
-        elif self.seen:  # measured as they ran, sharing the cores already: simulated with a device each
-            seconds = spread(self.plan, node_seconds(self.seen, self.plan.graph.nodes), missing=0.0)
+        else:  # measured tasks, simulated with a device each
             step_s = seconds_per_step(self.plan, seconds, STEPS)[0]
-        else:
-            return None
         return step_s, self.per_node(seconds), bounds_of(self.plan, seconds)[0]
 
     def observe(self, row: dict[str, Any]) -> dict[str, float]:
@@ -116,13 +127,18 @@ class PlanCheck:
         judged = self.steps > 1 and bool(nodes)
         if prediction is None or not measured:
             if judged:
-                self.seen.append({f"timing/{n}": s for n, s in nodes.items()})
+                self._learn(nodes)
             return {}
         step_s, per_node, critical = prediction
         error = measured / step_s - 1.0 if step_s > 0 else 0.0
         if judged and not self._drifts(row.get("step", self.steps), measured, step_s, error, nodes, per_node):
-            self.seen.append({f"timing/{n}": s for n, s in nodes.items()})
+            self._learn(nodes)
         return {"plan/predicted_step_s": step_s, "plan/error": error, "plan/predicted_critical_path_s": critical}
+
+    def _learn(self, nodes: dict[str, float]) -> None:
+        """A step's node seconds join what the prediction is made from (and :meth:`task_seconds` anew)."""
+        self.seen.append({f"timing/{n}": s for n, s in nodes.items()})
+        self._tasks = None
 
     def _drifts(self, step: int, measured: float, step_s: float, error: float, nodes: dict[str, float],
                 per_node: dict[str, float]) -> bool:

@@ -358,7 +358,7 @@ class FingerprintLog:
         self.checks = Invariants(graph_header(graph)["header"], say, fatal) if check else None
         kept = []
         if keep_through > 0 and self.path.is_file():  # a resume: the steps after the checkpoint run again
-            kept = [(line, row) for line, row in read_metrics(self.path, warn=say)
+            kept = [(line, row) for line, row in read_metrics(self.path, warn=say, tolerant=True)
                     if "header" in row or row.get("step", 0) <= keep_through]
         old = format_of(kept[0][1].get("header", {})) if kept else FORMAT
         if old != FORMAT:  # written by an older flowrl: its digests are not comparable with this one's

@@ -17,7 +17,9 @@
 The fault switch: ``trainer.fault: "node=reward,step=3,rank=0,kind=raise"`` in the graph, or
 ``flowrl run --fault SPEC`` (``kind``: ``raise``, ``hang`` or ``kill``; ``step`` counts from 1
 like the metrics; ``rank`` and ``mb`` narrow it; ``times=N`` fires it on the first N attempts
-only) makes that node's task fail that way, for tests and rehearsals. A ``kill`` fires in the
+only) makes that node's task fail that way, for tests and rehearsals. ``node=checkpoint`` fires
+instead where a worker's state is taken for that step's checkpoint, ``node=validation`` in the
+tasks of the validation run after that step. A ``kill`` fires in the
 worker's first process only, so a replaced worker runs the task again.
 
 Both are :mod:`hooks <flowrl.runtime.hooks>` this module registers: :class:`FailurePolicy` on
@@ -45,12 +47,19 @@ from flowrl.errors import RefillNeeded, RunError
 from flowrl.data import DataProto
 from flowrl.data.dispatch import DROPPED, TASK_ROWS
 from flowrl.data.metrics import total
-from flowrl.graph.config import Fault, FaultSpecError, OnErrorConfig, parse_fault
+from flowrl.graph.config import FAULT_WINDOWS, Fault, FaultSpecError, OnErrorConfig, parse_fault
 from flowrl.plan.rowspace import input_space
 from flowrl.runtime.hooks import HookSpec, Run, TaskHook, TaskRun, task_hooks
 
 if TYPE_CHECKING:
     from flowrl.plan.planner import Plan
+
+
+#: the fault switch's windows besides a node's task: a worker's state taken for a checkpoint
+#: (``node=checkpoint``), a task of the validation run (``node=validation``)
+CHECKPOINT, VALIDATION = FAULT_WINDOWS
+#: the kind of plan validation runs (:mod:`flowrl.plan.validation`)
+VALIDATION_PLAN = "val"
 
 
 class InjectedFault(RunError):
@@ -71,9 +80,14 @@ class Injector(TaskHook):
 
         def injected(rows: DataProto) -> tuple[DataProto, dict[str, float]]:
             self.fire(call.node, call.step, call.rank, call.mb)
+            if call.plan == VALIDATION_PLAN:
+                self.fire(VALIDATION, call.step, call.rank, call.mb)
             return run(rows)
 
         return injected
+
+    def checkpointing(self, step: int, rank: int) -> None:
+        self.fire(CHECKPOINT, step, rank, None)
 
     def fire(self, node: str, step: int, rank: int, mb: int | None) -> None:
         """Fail the way the fault says when it names this task (and has attempts left)."""
@@ -133,6 +147,9 @@ def fault_switch(plan: "Plan") -> dict[str, HookSpec]:
     """The node ``trainer.fault`` names, with its :class:`FaultSwitch` (for this plan's tasks)."""
     text = plan.graph.config.trainer.fault
     fault = parse_fault(text) if text is not None else None
+    if fault is not None and fault.node in FAULT_WINDOWS:  # not a node's task: every worker holds the switch
+        switch = FaultSwitch(fault)
+        return {n: switch for n in plan.graph.nodes}
     return {fault.node: FaultSwitch(fault)} if fault is not None and fault.node in plan.graph.nodes else {}
 
 

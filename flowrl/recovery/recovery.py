@@ -14,7 +14,8 @@ while tasks are pending, about the time they take. It answers with an outcome
   ``Resubmitted``; or, on a pool whose state lives on every rank, the run is
   resumed from its last checkpoint (:mod:`flowrl.recovery.rollback`): ``RollBack``;
 * a task past its ``timeout_s`` → ``Fail`` with the stuck worker's stacks
-  (:mod:`flowrl.recovery.watchdog`);
+  (:mod:`flowrl.recovery.watchdog`); one far past its predicted seconds is reported stuck, with
+  them, long before;
 * anything else → ``Fail`` with the error named (node, step, worker, cause).
 
 It acts through the runtime's port (the steps in flight, submit lost tasks
@@ -34,7 +35,7 @@ from typing import Any
 from flowrl.recovery.refill import refill, refill_of
 from flowrl.recovery.restarts import Restarts, find_dead, replace_dead
 from flowrl.recovery.rollback import Resumable, roll_back
-from flowrl.recovery.watchdog import TaskTimeout, check_timeouts
+from flowrl.recovery.watchdog import StuckReport, TaskTimeout, check_timeouts
 from flowrl.runtime.backend import Supervisor, describe_death
 from flowrl.runtime.steps import Fail, Guard, Outcome, RecoveryPort, RollBack, StepRun, Where
 from flowrl.plan.planner import TaskKey
@@ -47,8 +48,9 @@ class Recovery(Guard):
 
     restarts: Restarts
 
-    def __init__(self, run: Resumable | None = None) -> None:
-        self.run = run
+    def __init__(self, run: Resumable | None = None, stuck: StuckReport | None = None) -> None:
+        """``stuck``: where tasks far past their predicted seconds are reported (none: only the timeout)."""
+        self.run, self.stuck = run, stuck
 
     def attach(self, port: RecoveryPort, supervisor: Supervisor) -> None:
         super().attach(port, supervisor)
@@ -77,7 +79,7 @@ class Recovery(Guard):
     def watch(self, st: StepRun, pending: dict[Any, Where], ended: dict[TaskKey, float]) -> Fail | None:
         try:
             check_timeouts(st.step, st.plan, st.plan.graph, pending, ended, st.submitted_at, self.port.worker_free,
-                           self.supervisor.worker_label, self.supervisor.stacks)
+                           self.supervisor.worker_label, self.supervisor.stacks, self.stuck)
         except TaskTimeout as e:
             return Fail(e)
         return None

@@ -63,8 +63,10 @@ class Restart:
 
     def __str__(self) -> str:
         if self.rolled_back_to is not None:
+            to = (f"the checkpoint of step {self.rolled_back_to + 1}" if self.rolled_back_to >= 0
+                  else "its start (no checkpoint yet; every pool started anew)")
             return (f"worker {self.worker} died at step {self.step + 1} ({self.cause}); its pool was started "
-                    f"anew and the run rolled back to the checkpoint of step {self.rolled_back_to + 1}")
+                    f"anew and the run rolled back to {to}")
         return (f"worker {self.worker} died at step {self.step + 1} ({self.cause}); replaced by a new process, "
                 f"{self.rerun} task(s) run again")
 

@@ -18,8 +18,10 @@ the middle of a step (:mod:`flowrl.recovery.restarts`). With
    worker died in reports ``faults/restarts`` (workers that died) and
    ``faults/rollbacks``, and the log names the worker, the cause and the step.
 
-A run with no checkpoint yet cannot roll back, nor can a runtime driven by hand
-(no :class:`Resumable`): the step fails, named.
+A run with no checkpoint yet (a death in its first steps) goes back to its start
+instead: every pool started anew (its roles built from the seed, as the run began),
+the data at its first batch, every sink emptied (:meth:`Resumable.start_over`). A
+runtime driven by hand (no :class:`Resumable`) cannot roll back: the step fails, named.
 
 Example::
 
@@ -50,6 +52,9 @@ class Resumable(Protocol):
     def resume(self) -> int:
         """Load the newest checkpoint into the run and cut its sinks back; the 0-based step to go on from."""
 
+    def start_over(self) -> int:
+        """Take the run back to before its first step (the data at its start, every sink emptied); 0."""
+
 
 def roll_back(port: RecoveryPort, supervisor: Supervisor, restarts: Restarts, run: Resumable | None,
               dead: list[Dead], pools: list[str], step: int) -> RollBack | Fail:
@@ -62,18 +67,17 @@ def roll_back(port: RecoveryPort, supervisor: Supervisor, restarts: Restarts, ru
             f"{died} holds a sharded or trained role, so the run must roll back to its last checkpoint: flowrl "
             f"run does that itself (pools.{pools[0]}.max_restarts); a Runtime driven by hand cannot — resume it "
             f"from a checkpoint"))
-    if not run.has_checkpoint():
-        every = port.graph.config.trainer.checkpoint_every
-        return Fail(WorkerDiedError(f"{died} rolls back to its last checkpoint, but none has been saved yet (the "
-                                    f"first comes after step {every}): start the run again, or lower "
-                                    f"trainer.checkpoint_every"))
-    for pool in pools:
+    saved = run.has_checkpoint()
+    # before the first checkpoint the run goes back to its start: every pool's roles built anew from the seed,
+    # as the run began (no checkpoint would give the pools that did not die their state back)
+    restarted = pools if saved else list(port.graph.config.pools)
+    for pool in restarted:
         supervisor.restart_pool(pool)
     for pool, rank, _, _ in dead:
-        if pool not in pools:
+        if pool not in restarted:
             supervisor.replace(pool, rank)
     port.forget_steps()
-    start = run.resume()
+    start = run.resume() if saved else run.start_over()
     for pool, rank, label, cause in dead:
         event = Restart(label, cause, step, 0, rolled_back_to=start - 1)
         restarts.record(event, pool)

@@ -54,12 +54,15 @@ from flowrl.graph import Graph
 from flowrl.graph.registry import make_source
 from flowrl.plan.plancheck import PlanCheck
 from flowrl.recovery.recovery import Recovery
+from flowrl.recovery.watchdog import StuckReport
 from flowrl.run.hooks import Dumps, Fingerprints, MetricsSinks, Records, StartupLines, Timing
+from flowrl.runtime.backend import describe_death
 from flowrl.runtime.backends import make_backend, start_early, stop_early
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.steps import StepHook
-from flowrl.store.checkpoint import (CheckpointError, CheckpointStore, UnreadableCheckpoint, differences,
-                                     fingerprint, worker_counts)
+from flowrl.store.checkpoint import (CheckpointError, CheckpointStore, DataChanged, UnreadableCheckpoint,
+                                     data_changes, differences, fingerprint, worker_counts)
+from flowrl.store.verify import read_meta
 from flowrl.store.rundir import RunDirectory, run_dir_of
 from flowrl.store.runlog import RUN_LOG, log_note, record_failure
 
@@ -87,10 +90,13 @@ class Trainer:
         history_limit: int | None = None,
         show_startup: bool = False,
         on_wait: Callable[[str], None] | None = None,
+        allow_data_change: bool = False,
     ) -> None:
         """``show_startup``: after the first step, ``say`` the start-up timeline (``flowrl run -v``);
         ``on_wait``: told what the run waits on before its first step (the workers starting, the first step),
-        so a long wait is said as it lasts (:class:`visualizer.live.Waits`)."""
+        so a long wait is said as it lasts (:class:`visualizer.live.Waits`); ``allow_data_change``: resume
+        although the data source changed since the checkpoint (``flowrl run --allow-data-change``; refused
+        otherwise, before the workers are waited on)."""
         self.graph = graph
         cfg = graph.config
         self.steps = steps if steps is not None else cfg.trainer.steps
@@ -109,12 +115,17 @@ class Trainer:
         try:
             self.source = make_source(cfg)
             self.val_source = make_source(cfg, split="val") if self.runtime.plan.validation is not None else None
+            #: what the prompts come from (a file's digest, a generator's settings), kept in every checkpoint
+            self.data: dict[str, Any] | None = self.source.identity() if hasattr(self.source, "identity") else None
+            self.resuming, self.say, self.overwrite, self.allow_data_change = resume, say, overwrite, allow_data_change
+            if resume:
+                self._check_newest_data()
         except BaseException:
             stop_early(self.runtime.backend)  # no run will use the workers asked for above
             raise
+        self._source_start: dict[str, Any] | None = None  # the data's position before the first step (start_over)
         if self.trace is None:
             self.runtime.timeline.keep_last(TIMELINE_RECORDS)
-        self.resuming, self.say, self.overwrite = resume, say, overwrite
         self.on_wait = on_wait or (lambda label: None)
         #: the signal that stopped the run gracefully (``signal.SIGINT`` or ``signal.SIGTERM``), if any
         self.stop_signal: int | None = None
@@ -135,6 +146,8 @@ class Trainer:
         tokens = self.graph.token_metrics()  # the operator that generates says which metric counts tokens
         check = PlanCheck(plan, self.out, self.say, log=lambda message: log_note(self.log_path, message))
         timing = Timing(samples, check, tokens.mean if tokens is not None else None)
+        # a hang is reported once the run can predict its tasks: 10x past the plan check's prediction
+        self.recovery.stuck = StuckReport(self.say, check.task_seconds)
         hooks: list[StepHook] = [timing, self.sinks]
         if cfg.trainer.fingerprints:
             hooks.append(Fingerprints(self.out, self.graph, plan, self.say))
@@ -172,6 +185,8 @@ class Trainer:
         self.runtime.start()  # ray.init installs a SIGTERM handler of its own: ours go in after it
         if self.resuming:
             self.on_wait("loading the newest checkpoint")
+        # where a rollback before any checkpoint takes the data back to (start_over)
+        self._source_start = self.source.state_dict() if hasattr(self.source, "state_dict") else None
         start = self.resume() if self.resuming else self._rewind(0)
         self.on_wait(f"step {start + 1}/{self.steps}: the first of this run")
         (self.out / "config.yaml").write_text(yaml.safe_dump(self.graph.config.dump(), sort_keys=False))
@@ -234,7 +249,7 @@ class Trainer:
             hook.sync()
         dump = self.graph.config.dump()
         meta = {"graph": fingerprint(dump), "workers": worker_counts(dump), "name": self.graph.name,
-                "saved_at": time.time()}
+                "saved_at": time.time(), "data": self.data}
         path = self.store.save(step, payload, meta)
         self.last_checkpoint = path
         self.say(f"checkpoint: {path}")
@@ -258,6 +273,7 @@ class Trainer:
                     + "; ".join(diff[:10]) + ("; ..." if len(diff) > 10 else "")
                     + ". Resume with the graph it was written by, or start a new run directory (--out)."
                 )
+            self._check_data(meta, path)
             step = payload["step"]
             if step + 1 >= self.steps:
                 raise CheckpointError(f"checkpoint {path} is at step {step + 1} of {self.steps}: nothing left "
@@ -267,6 +283,11 @@ class Trainer:
                 if payload["source"] is not None:
                     self.source.load_state_dict(payload["source"])
             except Exception as e:  # noqa: BLE001 - a tensor of the wrong shape, a missing key: try the previous one
+                death = describe_death(e) or describe_death(getattr(e, "cause", None) or e)
+                if death is not None:  # the workers failed, not the checkpoint: never call it unreadable
+                    raise CheckpointError(f"a worker died while checkpoint {path} was loaded into it ({death}); the "
+                                          f"checkpoint was not found wrong and is untouched: run again with --resume"
+                                          ) from None
                 text = str(e).strip().splitlines()
                 raise UnreadableCheckpoint(f"it does not fit the graph's roles: {type(e).__name__}: "
                                            f"{text[0] if text else ''}") from None
@@ -282,6 +303,46 @@ class Trainer:
         self._rewind(step + 1)
         self.say(f"resuming from {path} at step {step + 2}")
         return step + 1
+
+    def _check_newest_data(self) -> None:
+        """Refuse a changed data source against the newest checkpoint's record before the run waits on its
+        workers; a checkpoint that does not read is left to :meth:`resume`, which names it and falls back."""
+        found = self.store.complete()
+        try:
+            meta = read_meta(found[0]) if found else None
+        except UnreadableCheckpoint:
+            return
+        if isinstance(meta, dict):
+            self._check_data(meta, found[0], quiet=True)
+
+    def _check_data(self, meta: dict[str, Any], path: Path, quiet: bool = False) -> None:
+        """:class:`DataChanged` when the data source no longer holds what the checkpoint at ``path`` was trained
+        on, unless ``--allow-data-change`` (then said, unless ``quiet``). A checkpoint written before
+        flowrl recorded its data has nothing to compare."""
+        saved = meta.get("data")
+        if not isinstance(saved, dict) or self.data is None:
+            return
+        changed = data_changes(saved, self.data)
+        if not changed:
+            return
+        what = "; ".join(changed[:6]) + ("; ..." if len(changed) > 6 else "")
+        name = self.data.get("path") or self.data.get("source")
+        if self.allow_data_change:
+            if not quiet:
+                self.say(f"the data source {name} changed since checkpoint {path} ({what}); going on with the "
+                         f"new data (--allow-data-change)")
+            return
+        raise DataChanged(f"the data source {name} changed since checkpoint {path} was saved ({what}): resuming on "
+                          f"it would be a different run. Restore the data the run was trained on, pass "
+                          f"--allow-data-change to go on with the new data, or start a new run directory (--out)")
+
+    def start_over(self) -> int:
+        """Take the run back to before its first step: the data at its start, every sink emptied (a rollback
+        before any checkpoint, its pools started anew: :mod:`flowrl.recovery.rollback`); 0."""
+        if self._source_start is not None:
+            self.source.load_state_dict(self._source_start)
+        self.say("no checkpoint yet: going back to the start of the run")
+        return self._rewind(0)
 
     def _install_signals(self) -> Callable[[], None]:
         """First Ctrl-C or SIGTERM: finish the steps in flight, save, stop. A second one aborts."""

@@ -84,6 +84,9 @@ class TaskHook:
         load's report carries from this hook."""
         return {}
 
+    def checkpointing(self, step: int, rank: int) -> None:
+        """This worker's state is about to be taken for the checkpoint of 0-based ``step``."""
+
 
 class HookSpec(abc.ABC):
     """What crosses to a worker: a picklable description of a hook, built once per worker."""

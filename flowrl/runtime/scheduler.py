@@ -33,10 +33,9 @@ from flowrl.plan.planner import Plan, Task, TaskKey, make_plan
 from flowrl.plan.staleness import Versions, window
 from flowrl.runtime.backends import Backend, make_backend
 from flowrl.plan.reads import fetched, task_input
-from flowrl.runtime.hangs import get_within
 from flowrl.runtime.reports import StepResult, check_versions, node_states, pipeline_metrics, step_metrics
-from flowrl.runtime.steps import (Fail, FinishedStep, Guard, Outcome, RollBack, StepHook, StepRun, Where, forget,
-                                  hand_back_state, lost_tasks, report_status)
+from flowrl.runtime.steps import (Fail, FinishedStep, Guard, Outcome, RollBack, StateNotTaken, StepHook, StepRun, Where,
+                                  forget, hand_back_state, lost_tasks, report_status, resolve_snapshot)
 from flowrl.runtime.timeline import Timeline
 from flowrl.runtime.worker import Call, Info, node_entries
 from flowrl.store.checkpoint import CheckpointStore
@@ -274,7 +273,10 @@ class Runtime:
         data = self._read(st, self.fetch) if self.fetch and training else None
         result = StepResult(st.step, metrics, infos, makespan, bound, data, syncs=syncs)
         if st.snapshot is not None:
-            result.checkpoint = self._resolve_snapshot(st.snapshot)
+            taken = self._take_snapshot(st)
+            if isinstance(taken, RollBack):
+                return taken
+            result.checkpoint = taken
         if st.validation is not None:
             val = self._finish(st.validation)
             if isinstance(val, RollBack):
@@ -337,35 +339,33 @@ class Runtime:
     # ------------------------------------------------------------------ checkpoints
     def _queue_snapshot(self, t: int, source: Any) -> dict[str, Any]:
         shards = str(self._stage(t))
-        workers = {key: self.backend.call(key[0], key[1], "get_state", shards) for key in self._worker_keys()}
-        return {
-            "step": t,
-            "workers": workers,
-            "shards": shards,  # sharded roles' states, written there by their ranks
-            "source": source.state_dict() if hasattr(source, "state_dict") else None,
-            # weights already fetched for steps still to come (staleness >= 1)
-            "weights": self.versions.in_flight_weights(t),
-            "operator_state": dict(self._op_state["train"]),
-        }
+        workers = {key: self.backend.call(key[0], key[1], "get_state", shards, t) for key in self._worker_keys()}
+        # shards: sharded roles' states, written there by their ranks; weights: those already fetched for steps
+        # still to come (staleness >= 1)
+        return {"step": t, "workers": workers, "shards": shards,
+                "source": source.state_dict() if hasattr(source, "state_dict") else None,
+                "weights": self.versions.in_flight_weights(t), "operator_state": dict(self._op_state["train"])}
 
     def _worker_keys(self) -> list[tuple[str, int]]:
         return [(pool, rank) for pool, cfg in self.graph.config.pools.items() for rank in range(cfg.workers)]
 
     def snapshot_now(self, step: int, source: Any = None) -> dict[str, Any]:
         """A checkpoint payload of the current state (call when no step is in flight)."""
-        return self._resolve_snapshot(self._queue_snapshot(step, source))
+        return resolve_snapshot(self.backend, self._queue_snapshot(step, source), self.graph.config.schedule.timeout_s)
 
-    def _resolve_snapshot(self, snap: dict[str, Any]) -> dict[str, Any]:
-        def state_of(h: Any) -> Any:
-            value = self.backend.get(h)
-            return value.state if isinstance(value, Info) else value
-
-        limit, get = self.graph.config.schedule.timeout_s, self.backend.get
-        return {**snap, "workers": {k: get_within(get, h, limit, f"the state of {self.backend.worker_label(*k)} for "
-                                                  f"the checkpoint of step {snap['step'] + 1}")
-                                    for k, h in snap["workers"].items()},
-                "weights": {k: self.backend.get(h) for k, h in snap["weights"].items()},
-                "operator_state": {n: state_of(h) for n, h in snap["operator_state"].items()}}
+    def _take_snapshot(self, st: StepRun) -> dict[str, Any] | RollBack:
+        """Step ``st``'s checkpoint payload. A worker that fails while its state is taken goes to recovery as a
+        failed task does: a dead rank of a trained pool rolls the run back; a replaced one is asked again."""
+        while True:
+            try:
+                return resolve_snapshot(self.backend, st.snapshot, self.graph.config.schedule.timeout_s)
+            except StateNotTaken as e:
+                outcome = self.recovery.failed(st, e.cause, (None, *e.worker))
+                if isinstance(outcome, RollBack):
+                    return outcome
+                if isinstance(outcome, Fail):
+                    raise e.cause from None  # as it came: a timeout names the worker and the checkpoint
+                st.snapshot = {**self._queue_snapshot(st.step, None), "source": st.snapshot["source"]}
 
     def restore(self, payload: dict[str, Any]) -> None:
         """Load a checkpoint payload into the (started) workers; the next step is ``payload['step'] + 1``.

@@ -38,8 +38,11 @@ from typing import Any, Callable, Iterable, Protocol
 from flowrl.data import DataProto, DataProtoFuture
 from flowrl.graph import Graph
 from flowrl.plan.planner import Plan, TaskKey
-from flowrl.runtime.backend import Supervisor, named_failure
+from flowrl.errors import RuntimeFailure
+from flowrl.runtime.backend import Backend, Supervisor, named_failure
+from flowrl.runtime.hangs import get_within
 from flowrl.runtime.reports import StepResult
+from flowrl.runtime.worker import Info
 
 Worker = tuple[str, int]
 #: where a report comes from: its task (None: a weight sync), pool and rank
@@ -248,5 +251,32 @@ def report_status(backend: Any, handle: Any) -> bool | None:
     return True
 
 
+class StateNotTaken(RuntimeFailure):
+    """A worker's state for a checkpoint did not come (``cause``: why; ``worker``: its pool and rank)."""
+
+    def __init__(self, worker: Worker, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.worker, self.cause = worker, cause
+
+
+def resolve_snapshot(backend: Backend, snap: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
+    """A queued checkpoint's values: each worker's state within ``timeout_s`` (else :class:`StateNotTaken`,
+    naming the worker, for recovery to decide on), the in-flight weights, the operators' states."""
+    def state_of(h: Any) -> Any:
+        value = backend.get(h)
+        return value.state if isinstance(value, Info) else value
+
+    def worker_state(key: Worker, h: Any) -> Any:
+        what = f"the state of {backend.worker_label(*key)} for the checkpoint of step {snap['step'] + 1}"
+        try:
+            return get_within(backend.get, h, timeout_s, what)
+        except Exception as e:  # noqa: BLE001 - a dead worker, a timeout: recovery decides
+            raise StateNotTaken(key, e) from e
+
+    return {**snap, "workers": {k: worker_state(k, h) for k, h in snap["workers"].items()},
+            "weights": {k: backend.get(h) for k, h in snap["weights"].items()},
+            "operator_state": {n: state_of(h) for n, h in snap["operator_state"].items()}}
+
+
 __all__ = ["Fail", "FinishedStep", "Guard", "Outcome", "RecoveryPort", "Resubmitted", "RollBack", "StepHook",
-           "StepRun", "Where", "forget", "hand_back_state", "lost_tasks", "report_status"]
+           "StateNotTaken", "StepRun", "Where", "forget", "hand_back_state", "lost_tasks", "report_status", "resolve_snapshot"]

@@ -345,13 +345,17 @@ class Worker:
         return Info(f"sync:{role}", -1, None, self.pool, self.rank, os.getpid(), start, time.time(), 0, version,
                     **report)
 
-    def get_state(self, shards: str | None = None) -> dict[str, Any]:
-        """Every role's state and weight version, for a checkpoint: the roles' tensors written
-        under ``shards`` (with the other ranks of the pool: a collective), the rest returned.
+    def get_state(self, shards: str | None = None, step: int | None = None) -> dict[str, Any]:
+        """Every role's state and weight version, for a checkpoint (of 0-based ``step``, when told): the
+        roles' tensors written under ``shards`` (with the other ranks of the pool: a collective), the
+        rest returned.
 
         Queued like any task, so it captures the state exactly between two tasks."""
         if shards is None:
             raise ValueError("get_state writes the roles' tensors to a directory: pass shards=")
+        if step is not None:
+            for hook in self._loaded_hooks:
+                hook.checkpointing(step, self.rank)
         roles = {name: self.roles[name] for name in self._stateful()}
         return {"roles": save_states(shards, roles, self.group, self.rank), "versions": dict(self.versions)}
 

@@ -49,7 +49,7 @@ from flowrl.store.verify import FORMAT, MANIFEST, checksums, read_meta, verify
 
 #: trainer keys that may change between a run and its resumption
 RESUMABLE_KEYS = ("steps", "out", "checkpoint_every", "keep_checkpoints", "log_every", "val_every",
-                  "dump_rollouts", "wandb_project", "record", "fault")
+                  "dump_rollouts", "wandb_project", "record", "fault", "stuck_factor", "stuck_min_s")
 
 
 #: the folder of a run directory (``trainer.out``) that holds its checkpoints
@@ -242,6 +242,20 @@ def steps_done(path: Path) -> int:
     if m is None:
         raise UnreadableCheckpoint(f"{path.name!r} is not a checkpoint directory name (step_<completed steps>)")
     return int(m.group(1))
+
+
+class DataChanged(CheckpointError):
+    """A resume whose data source no longer holds what the checkpoint's run was trained on."""
+
+
+def data_changes(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How a data source's identity (a source's ``identity()``, recorded in ``meta.json``) changed: its
+    contents or its generator's settings; the path aside (the same bytes moved are the same data)."""
+    def shown(identity: dict[str, Any]) -> dict[str, Any]:
+        return {k: (v[:12] + "…" if k == "sha256" and isinstance(v, str) else v)
+                for k, v in identity.items() if k != "path"}
+
+    return differences(shown(saved), shown(now))
 
 
 def fingerprint(config_dump: dict[str, Any]) -> dict[str, Any]:

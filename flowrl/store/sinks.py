@@ -27,12 +27,14 @@ class MetricsFileError(ConfigError, ValueError):
     """A metrics file that cannot be read (a damaged line before the last one)."""
 
 
-def read_metrics(path: Path, warn: Callable[[str], None]) -> list[tuple[str, dict[str, Any]]]:
+def read_metrics(path: Path, warn: Callable[[str], None], tolerant: bool = False) -> list[tuple[str, dict[str, Any]]]:
     """``(line, row)`` for every row of a metrics JSONL file.
 
     A last line that is not a complete JSON object (a write torn by a crash or a
     full disk) is dropped with a warning naming the file; a damaged line before
-    it raises :class:`MetricsFileError` with the file and line number.
+    it raises :class:`MetricsFileError` with the file and line number, unless
+    ``tolerant`` (a record no later step builds on, such as ``fingerprints.jsonl``'s:
+    every damaged line is dropped with a warning).
     """
     lines = [x for x in path.read_text(errors="replace").splitlines()]
     while lines and not lines[-1].strip():
@@ -49,6 +51,9 @@ def read_metrics(path: Path, warn: Callable[[str], None]) -> list[tuple[str, dic
             if i == len(lines):
                 warn(f"{path}: line {i} is incomplete (a write cut short by a crash or a full disk); dropped it")
                 break
+            if tolerant:
+                warn(f"{path}: line {i} is not a JSON object ({e}); dropped it")
+                continue
             raise MetricsFileError(f"{path}, line {i}: not a metrics row ({e}); remove or repair that line") from None
         out.append((line, row))
     return out

@@ -38,6 +38,8 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Sequence
@@ -213,8 +215,16 @@ def _json_row(path: Path, line_no: int, raw: bytes) -> dict[str, Any]:
     return row
 
 
-def read_rows(path: str | Path) -> list[dict[str, Any]]:
-    """Rows of a ``.parquet`` or ``.jsonl`` file as dicts, after checking the required columns.
+class FileRows(list):
+    """A file's rows, with the identity of the bytes they were read from (``identity``: ``path``,
+    ``size``, ``sha256``): what a checkpoint records so a resume notices a changed file."""
+
+    identity: dict[str, Any]
+
+
+def read_rows(path: str | Path) -> FileRows:
+    """Rows of a ``.parquet`` or ``.jsonl`` file as dicts, after checking the required columns; their
+    ``identity`` is the digest of the very bytes parsed (the file is read once).
 
     A missing file raises ``FileNotFoundError`` naming it
     (``read_rows("missing.parquet")`` → ``dataset file 'missing.parquet' does not exist``);
@@ -224,20 +234,23 @@ def read_rows(path: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"dataset file '{path}' does not exist (resolved: {path.resolve()})")
     suffix = path.suffix.lower()
+    if suffix not in (".parquet", ".jsonl", ".json"):
+        raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
+    data = path.read_bytes()
+    rows = FileRows()
+    rows.identity = {"path": str(path.resolve()), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     if suffix == ".parquet":
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.read_table(path)
-        columns, rows = table.column_names, table.to_pylist()
-    elif suffix in (".jsonl", ".json"):
-        rows = []
-        with path.open("rb") as f:
-            for line_no, raw in enumerate(f, start=1):
-                if raw.strip():
-                    rows.append(_json_row(path, line_no, raw))
-        columns = sorted({key for row in rows for key in row})
+        table = pq.read_table(pa.BufferReader(data))
+        columns = table.column_names
+        rows.extend(table.to_pylist())
     else:
-        raise DatasetError(f"{path}: unsupported dataset format {suffix!r}; use .parquet or .jsonl")
+        for line_no, raw in enumerate(io.BytesIO(data), start=1):
+            if raw.strip():
+                rows.append(_json_row(path, line_no, raw))
+        columns = sorted({key for row in rows for key in row})
     check_columns(path, columns, len(rows))
     if suffix == ".parquet":
         _check_schema(path, table.schema)

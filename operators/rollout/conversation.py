@@ -55,6 +55,9 @@ class AgentConfig(Params):
     max_user_turns: int = Field(1, ge=0, description="environment / simulated-user turns")
     max_parallel_calls: int = Field(1, ge=1, description="calls executed per assistant turn")
     max_tool_response_length: int = Field(256, ge=1, description="characters of a tool response kept")
+    max_concurrent_tool_calls: int = Field(
+        16, ge=1, description="tool calls running at once on a worker, over all its conversations: a tool's whole "
+        "output is held until it is cut, so the worker holds at most this many uncut outputs")
     tool_response_truncate_side: Literal["left", "right", "middle"] = "right"
     tool_timeout_s: float = Field(TOOL_CALL_S, gt=0, description="one tool call's or environment step's limit")
     tool_retries: int = Field(0, ge=0, description="extra tries of a tool call that raised or timed out")

@@ -11,13 +11,17 @@ raised or timed out is tried again up to ``tool_retries`` times, waiting
 The text a tool returns is cut to ``max_tool_response_length`` inside the
 task that runs the call, so a finished call holds only the capped text while
 it waits for its conversation to read it: a batch of tools returning 50 MB
-each costs 50 MB per running call, not per conversation.
+each costs 50 MB per running call, not per conversation. And at most
+``max_concurrent_tool_calls`` calls run at once in a worker (the others wait
+their turn, outside their time limit), so its memory for uncut outputs is
+bounded by that many outputs, whatever the number of conversations.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from typing import Any, Awaitable, Callable, Mapping
 
 from operators.rollout.conversation import AgentConfig
@@ -28,6 +32,19 @@ log = logging.getLogger(__name__)
 
 #: failures worth another try; a wrong call or a wrong result type would fail the same way again
 TRANSIENT = ("timeout", "tool_exception")
+
+#: the running calls' gate of each event loop: a worker's conversations share one loop (``run_rollouts``)
+_GATES: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, tuple[int, asyncio.Semaphore]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _gate(limit: int) -> asyncio.Semaphore:
+    """The semaphore that lets ``limit`` tool calls of this event loop run at once."""
+    loop = asyncio.get_running_loop()
+    held = _GATES.get(loop)
+    if held is None or held[0] != limit:
+        held = _GATES[loop] = (limit, asyncio.Semaphore(limit))
+    return held[1]
 
 
 async def call_with_limits(call: Callable[[], Awaitable[Any]], timeout_s: float, name: str,
@@ -60,10 +77,14 @@ async def execute_tool(tool: BaseTool, instance_id: Any, call: ToolCall, execute
         text = truncate_text(result.text, cfg.max_tool_response_length, cfg.tool_response_truncate_side)
         return result._replace(text=text)
 
+    async def gated() -> ToolResult | ToolCallError:
+        async with _gate(cfg.max_concurrent_tool_calls):  # waiting for a turn is not the tool's time
+            return await call_with_limits(once, cfg.tool_timeout_s, call.name, ("timeout", "tool_exception"))
+
     retries = 0
-    outcome = await call_with_limits(once, cfg.tool_timeout_s, call.name, ("timeout", "tool_exception"))
+    outcome = await gated()
     while isinstance(outcome, ToolCallError) and outcome.kind in TRANSIENT and retries < cfg.tool_retries:
         await asyncio.sleep(cfg.tool_retry_backoff_s * 2 ** retries)
         retries += 1
-        outcome = await call_with_limits(once, cfg.tool_timeout_s, call.name, ("timeout", "tool_exception"))
+        outcome = await gated()
     return outcome, retries
