@@ -100,3 +100,21 @@ def timed(fn: Any, *args: Any) -> tuple[float, Any]:
     t0 = time.perf_counter()
     out = fn(*args)
     return time.perf_counter() - t0, out
+
+
+def llama_dir(shape: dict[str, int], root: str, name: str) -> str:
+    """A randomly initialised (seed 0) Llama of ``shape`` (hidden size, layers, heads, ...) over builtin:tiny's
+    word vocabulary, saved with that tokenizer as the model directory ``root/name``; returns its path. The
+    benchmarks' mid-sized models, one recipe for all of them."""
+    from operators.models import VOCAB, build_tiny_tokenizer, save_model
+    from operators.models.hf import hf
+
+    tokenizer = build_tiny_tokenizer()
+    config = hf("LlamaConfig")(vocab_size=len(VOCAB), num_key_value_heads=shape["num_attention_heads"],
+                               max_position_embeddings=1024, tie_word_embeddings=True,
+                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, **shape)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = hf("LlamaForCausalLM")(config)
+    return str(save_model(model, tokenizer, f"{root}/{name}"))

@@ -23,6 +23,7 @@ It needs vLLM: run it with build/vllm-venv's Python (``bash scripts/vllm_env.sh`
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import multiprocessing
 import os
 import statistics
@@ -32,8 +33,8 @@ import time
 import _common  # noqa: F401  (repository on sys.path, one torch thread)
 import torch
 
-from _common import print_table
-from operators.models import VOCAB, build_tiny_tokenizer, load_model, save_model
+from _common import llama_dir, print_table
+from operators.models import load_model
 from operators.models.hf import hf
 from operators.rollout import HFRolloutEngine, SamplingParams
 from operators.rollout.base import prompt_seeds
@@ -49,15 +50,7 @@ def load(name: str, root: str):
     """``(model, tokenizer)`` of ``name`` (fp32, seed 0)."""
     if MODELS[name] is None:
         return load_model(name, dtype="float32", seed=0)
-    tokenizer = build_tiny_tokenizer()
-    config = hf("LlamaConfig")(vocab_size=len(VOCAB), num_key_value_heads=MODELS[name]["num_attention_heads"],
-                               max_position_embeddings=1024, tie_word_embeddings=True,
-                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                               eos_token_id=tokenizer.eos_token_id, **MODELS[name])
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = hf("LlamaForCausalLM")(config)
-    return load_model(str(save_model(model, tokenizer, f"{root}/{name}")), dtype="float32", seed=0)
+    return load_model(llama_dir(MODELS[name], root, name), dtype="float32", seed=0)
 
 
 def prompts(count: int, vocab: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,13 +187,29 @@ def startup(name: str, model, tok, rounds: int) -> list[str]:
             f"{min(loads):.1f}-{max(loads):.1f}"]
 
 
-def default_job(steps: int, overrides: dict) -> list[list[str]]:
+def hf_only(name: str, model, tok, args) -> list[str]:
+    """The hf engine's tokens/s alone, where vLLM is not installed (the main environment)."""
+    ids, mask = prompts(args.prompts, model.config.vocab_size)
+    seeds = prompt_seeds(list(range(args.prompts)), seed=0)
+    params = SamplingParams(n=args.n, max_new_tokens=args.tokens, temperature=1.0)
+    engine, rates, loads = HFRolloutEngine(model, tok, seed=0), [], []
+    engine.generate(ids, mask, params, seeds=seeds)  # warm-up: first-call allocations
+    for _ in range(args.rounds):
+        loads.append(load_average())
+        start = time.perf_counter()
+        out = engine.generate(ids, mask, params, seeds=seeds)
+        rates.append(int(out["response_mask"].sum()) / (time.perf_counter() - start))
+    return [name, f"{statistics.median(rates):,.0f}", " ".join(f"{r:,.0f}" for r in rates),
+            f"{min(loads):.1f}-{max(loads):.1f}"]
+
+
+def default_job(steps: int, overrides: dict, engines: tuple[str, ...]) -> list[list[str]]:
     """The default job (grpo, local backend) on each engine, interleaved step counts: medians after step 1."""
     from flowrl.graph import load_graph
     from flowrl.run.trainer import Trainer
 
     rows = []
-    for engine in ("hf", "vllm"):
+    for engine in engines:
         graph = load_graph("grpo", overrides={**overrides, "roles.actor.rollout.engine": engine,
                                               "trainer.val_every": 0, "trainer.checkpoint_every": 0})
         load = load_average()
@@ -232,11 +241,21 @@ def main() -> None:
     if args.smoke:
         args.models, args.tokens, args.prompts, args.n, args.rounds, args.start_rounds = (
             ["builtin:tiny"], 8, 8, 2, 2, 1)
-        args.steps, job = (3 if args.steps else 0), {"data.batch_size": 4, "nodes.generate.n": 2}
+        args.steps, job = 3, {"data.batch_size": 4, "nodes.generate.n": 2}
     hf("logging").disable_progress_bar()
+    have_vllm = importlib.util.find_spec("vllm") is not None
+    engines = ("hf", "vllm") if have_vllm else ("hf",)
     with tempfile.TemporaryDirectory() as root:
         for name in args.models:  # each model's tables as soon as it is measured: a long run shows progress
             model, tok = load(name, root)
+            if not have_vllm:
+                print_table(f"rollout engines: hf only, {args.prompts} prompts x {args.n} samples x {args.tokens} "
+                            f"tokens, median of {args.rounds} rounds", ["model", "hf tok/s", "per round", "load"],
+                            [hf_only(name, model, tok, args)],
+                            notes=["vLLM is not installed in this environment: run this script with "
+                                   "build/vllm-venv/bin/python (bash scripts/vllm_env.sh) for raw vLLM, flowrl's "
+                                   "vLLM engine, the push and start-up"])
+                continue
             if args.start_rounds:  # first: the first model's first round includes importing vLLM
                 print_table("start-up, build to first token (median; the first model's first vLLM round imports "
                             "vLLM)", ["model", "hf s", "vLLM s", "2 x hf + 15 s", "vLLM rounds", "load"],
@@ -255,7 +274,7 @@ def main() -> None:
     if args.steps > 1:
         print_table(f"the default job (grpo, local backend), median of steps 2-{args.steps}",
                     ["engine", "steps", "step s", "generate s", "update_actor s (push, check)", "push s", "load"],
-                    default_job(args.steps, job))
+                    default_job(args.steps, job, engines))
 
 
 if __name__ == "__main__":

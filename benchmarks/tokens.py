@@ -45,13 +45,12 @@ import _common  # noqa: F401  (repository on sys.path, one torch thread)
 import numpy as np
 import torch
 
-from _common import print_table
+from _common import llama_dir, print_table
 from flowrl.data import DataProto
 from flowrl.runtime.worker import RoleContext
 from operators import actor as actor_ops
 from operators import advantage, reward, rollout
 from operators.data import PromptLoader, load_dataset
-from operators.models import VOCAB, build_tiny_tokenizer, save_model
 from operators.models.hf import hf
 from operators.models.microbatch import response_lengths, token_budget_split
 from operators.roles import Actor, ActorConfig
@@ -66,17 +65,8 @@ DEFAULT_LENGTHS = {"builtin:tiny": [8, 64, 128, 512], "llama-25m": [8, 128]}
 
 
 def build_model_dir(name: str, root: str) -> str:
-    """A randomly initialised Llama of shape ``MODELS[name]`` over builtin:tiny's word vocabulary,
-    saved with that tokenizer as a local model directory; returns its path."""
-    tokenizer = build_tiny_tokenizer()
-    config = hf("LlamaConfig")(vocab_size=len(VOCAB), num_key_value_heads=MODELS[name]["num_attention_heads"],
-                               max_position_embeddings=1024, tie_word_embeddings=True,
-                               pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                               eos_token_id=tokenizer.eos_token_id, **MODELS[name])
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = hf("LlamaForCausalLM")(config)
-    return str(save_model(model, tokenizer, f"{root}/{name}"))
+    """The model directory of ``MODELS[name]``'s shape (:func:`_common.llama_dir`); returns its path."""
+    return llama_dir(MODELS[name], root, name)
 
 
 def matmul_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
