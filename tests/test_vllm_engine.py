@@ -255,7 +255,7 @@ def test_an_actor_update_pushes_its_weights_into_the_engine_and_a_lost_tensor_fa
 def test_engine_options_are_validated_and_the_registry_names_the_engine():
     with pytest.raises(ValueError, match="kv_cache_mb"):
         ActorConfig(rollout={"engine": "vllm", "engine_kwargs": {"kv_cache_mb": 64}})
-    with pytest.raises(ValueError, match="use one of hf, sglang, vllm"):
+    with pytest.raises(ValueError, match="use one of auto, hf, sglang, vllm"):
         ActorConfig(rollout={"engine": "vlm"})
     assert ActorConfig(rollout={"engine": "vllm", "engine_kwargs": {"dtype": "bf16"}}).rollout.options() == {
         "dtype": "bf16"}
