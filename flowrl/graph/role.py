@@ -41,6 +41,7 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from flowrl.errors import RunError
@@ -98,4 +99,19 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-__all__ = ["Role", "Stateful"]
+@dataclass(frozen=True)
+class RoleContext:
+    """What a role factory learns about where it lives."""
+
+    name: str
+    rank: int
+    world_size: int
+    seed: int
+    frozen: bool = False
+    device: str = "cpu"
+    #: the pool's process group (:class:`~flowrl.runtime.distributed.PoolGroup`): every rank of a
+    #: pool of N workers on the ray backend; a group of one where the ranks share no group
+    group: Any = None
+
+
+__all__ = ["Role", "RoleContext", "Stateful"]

@@ -27,6 +27,7 @@ from flowrl.data import DataProto, DataProtoFuture
 from flowrl.data.dispatch import RowKeys, get_mode
 from flowrl.data.expand import RowCountError, check_rows
 from flowrl.graph import OperatorSpec, Params, Role, Stateful
+from flowrl.graph.role import RoleContext
 from flowrl.timeouts import COLLECTIVE_S
 from flowrl.store.checkpoint_state import load_states, save_states
 from flowrl.runtime.distributed import DEFAULT_BACKEND, PoolGroup, listen
@@ -37,21 +38,6 @@ from flowrl.plan.pools import RoleBuild
 
 if TYPE_CHECKING:
     from flowrl.plan.planner import Plan
-
-
-@dataclass(frozen=True)
-class RoleContext:
-    """What a role factory learns about where it lives."""
-
-    name: str
-    rank: int
-    world_size: int
-    seed: int
-    frozen: bool = False
-    device: str = "cpu"
-    #: the pool's process group (:class:`~flowrl.runtime.distributed.PoolGroup`): every rank of a
-    #: pool of N workers on the ray backend; a group of one where the ranks share no group
-    group: Any = None
 
 
 @dataclass
@@ -202,8 +188,7 @@ class Worker:
         for rb in self._builds:
             if rb.view is not None:  # its own weight version (the frozen base's: 0), nothing to checkpoint
                 self.roles[rb.name] = self.roles[rb.shares].frozen_view()
-                self.owner[rb.name] = rb.name
-                self.versions[rb.name] = 0
+                self.owner[rb.name], self.versions[rb.name] = rb.name, 0
                 continue
             if rb.shares is not None:
                 self.roles[rb.name] = self.roles[rb.shares]
