@@ -354,6 +354,7 @@ def test_a_run_on_vllm_trains_and_its_engine_processes_end_with_it(tmp_path, cap
     assert "Failed to load weights" not in (tmp_path / "run.log").read_text()  # a push's noise: dropped
 
 
+@pytest.mark.timeout(1500)  # two vLLM engines start on Ray, a worker is replaced, the run resumes
 def test_weight_versions_go_on_across_a_killed_vllm_worker_and_a_resume(ray_session, tmp_path):
     """grpo_async on vLLM, on Ray: the rollout worker is killed at step 3 and replaced (its new engine
     starts from the weights its sync loads, with their version), then the run is resumed from its
