@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from flowrl.cli_debug import fail, parse_overrides, plain
+from flowrl.cli_io import console, err_console, fail, parse_overrides, plain, show
 
 
 def eval_(
@@ -45,7 +45,7 @@ def eval_(
     pass@1 and, with -k, pass@k and mean@k of k samples. Exit 1 on what cannot be evaluated."""
     from flowrl.errors import FlowrlError
 
-    err = Console(stderr=True, soft_wrap=True)  # a message stays one line
+    err = err_console
     if set_ and not base:
         fail("--set changes the graph of --base; a run is evaluated on its own graph (use --prompts, -k, "
              "--max-new-tokens)", 2, err)
@@ -66,7 +66,7 @@ def eval_(
     if as_json:
         print(json.dumps(report, indent=2))
     else:
-        Console().print(_table(report))
+        show(console, _table(report))  # off a terminal, every cell whole
 
 
 def _base(target: str, set_: list[str] | None, err: Console) -> tuple[Any, None, str]:
