@@ -218,6 +218,7 @@ def test_sglang_engine_says_it_needs_sglang():
 def test_the_auto_engine_is_vllm_where_it_imports_and_hf_elsewhere(monkeypatch):
     """``rollout.engine: auto`` resolves in the process that builds the actor: vllm's options where the
     package is found, hf's (with drop_finished) where it is not."""
+    import importlib.machinery
     import importlib.util
 
     from operators.roles import RolloutConfig
@@ -226,7 +227,8 @@ def test_the_auto_engine_is_vllm_where_it_imports_and_hf_elsewhere(monkeypatch):
     found = importlib.util.find_spec
     for present, expected in ((False, "hf"), (True, "vllm")):
         monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *a, present=present: object() if present and name == "vllm"
+                            lambda name, *a, present=present: importlib.machinery.ModuleSpec("vllm", None)
+                            if present and name == "vllm"
                             else (None if name == "vllm" else found(name, *a)))
         assert resolve_engine("auto") == expected and engine_spec("auto").name == expected
         assert resolve_engine("hf") == "hf"
