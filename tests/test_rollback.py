@@ -77,13 +77,14 @@ def test_a_rollback_without_a_run_to_resume_fails_naming_the_worker(tmp_path):
     """(Before the first checkpoint, flowrl run goes back to its start: test_fault_windows' first step.)"""
     from flowrl.errors import WorkerDiedError
     from flowrl.recovery.recovery import Recovery
+    from flowrl.runtime.backend import Death
     from flowrl.runtime.scheduler import Runtime
-    from flowrl.runtime.steps import Fail
+    from flowrl.runtime.steps import Fail, Failure, StepRun
 
     g = load_graph("grpo", overrides={**TWO, "pools.train.max_restarts": 1})
-    died = [("train", 1, "train[1] (pid 7)", "ActorDiedError: …")]
+    died = Failure(RuntimeError("ActorDiedError"), {("train", 1): Death("train[1] (pid 7)", "ActorDiedError: …")})
     by_hand = Runtime(g, backend="local", recovery=Recovery())  # no run to resume: a rollback cannot happen
-    outcome = by_hand.recovery.roll_back(died, ["train"], 0)
+    outcome = by_hand.recovery.failed(StepRun(0, 0.0, by_hand.plan), died, (None, "train", 1))
     assert isinstance(outcome, Fail) and isinstance(outcome.error, WorkerDiedError)
     assert "flowrl run does that itself (pools.train.max_restarts)" in str(outcome.error)
     assert str(outcome.error).startswith("worker train[1] (pid 7) died at step 1 (ActorDiedError: …)")

@@ -18,9 +18,11 @@ while tasks are pending, about the time they take. It answers with an outcome
   them, long before;
 * anything else → ``Fail`` with the error named (node, step, worker, cause).
 
-It acts through the runtime's port (the steps in flight, submit lost tasks
-again, forget every step) and the backend's supervisor (dead workers, replace,
-restart, stacks); a rollback resumes through the run's own resume path.
+A failed report comes with the dead workers behind it (the backend's supervisor
+asked once, where the report was waited for: :class:`~flowrl.runtime.steps.Failure`).
+Recovery acts through the runtime's port (the steps in flight, submit lost tasks
+again) and the supervisor (replace, restart, stacks); a rollback resumes through
+the run's own resume path, which drops the steps in flight as it loads the checkpoint.
 
 Example::
 
@@ -33,11 +35,11 @@ from __future__ import annotations
 from typing import Any
 
 from flowrl.recovery.refill import refill, refill_of
-from flowrl.recovery.restarts import Restarts, find_dead, replace_dead
+from flowrl.recovery.restarts import Restarts, replace_dead
 from flowrl.recovery.rollback import Resumable, roll_back
 from flowrl.recovery.watchdog import StuckReport, TaskTimeout, check_timeouts
-from flowrl.runtime.backend import Supervisor, describe_death
-from flowrl.runtime.steps import Fail, Guard, Outcome, RecoveryPort, RollBack, StepRun, Where
+from flowrl.runtime.backend import Supervisor
+from flowrl.runtime.steps import Fail, Failure, Guard, Outcome, RecoveryPort, StepRun, Where
 from flowrl.plan.planner import TaskKey
 
 
@@ -55,26 +57,19 @@ class Recovery(Guard):
     def attach(self, port: RecoveryPort, supervisor: Supervisor) -> None:
         super().attach(port, supervisor)
         self.restarts = Restarts.for_graph(port.graph)
+        self.wants_deaths = any(self.restarts.allowed.values())
 
-    def failed(self, st: StepRun, exc: BaseException, where: Where) -> Outcome:
-        need = refill_of(exc)
+    def failed(self, st: StepRun, failure: Failure, where: Where) -> Outcome:
+        need = refill_of(failure.error)
         if need is not None:
             return refill(need, st, self.port)
-        dead = find_dead(self.supervisor, self.restarts, exc)
+        dead = failure.deaths
         if not self.restarts.allows(dead):
-            return super().failed(st, exc, where)
-        cause = describe_death(exc) or describe_death(getattr(exc, "cause", None) or exc) or type(exc).__name__
+            return super().failed(st, failure, where)
         rolled = sorted({pool for pool, _ in dead} & self.restarts.rolls_back)
         if rolled:
-            return self.roll_back([(p, r, self.supervisor.worker_label(p, r), self.supervisor.death_cause(p, r)
-                                    or cause) for p, r in sorted(dead)], rolled, st.step)
-        return replace_dead(self.port, self.supervisor, self.restarts, st, dead, cause)
-
-    def roll_back(self, dead: list[tuple[str, int, str, str]], pools: list[str], step: int) -> RollBack | Fail:
-        """Start ``pools`` anew and resume the run from its last checkpoint
-        (:func:`~flowrl.recovery.rollback.roll_back`); ``dead``: (pool, rank, label, cause) of each dead
-        worker; ``step``: the 0-based step being finished."""
-        return roll_back(self.port, self.supervisor, self.restarts, self.run, dead, pools, step)
+            return roll_back(self.port, self.supervisor, self.restarts, self.run, dead, rolled, st.step)
+        return replace_dead(self.port, self.supervisor, self.restarts, st, dead)
 
     def watch(self, st: StepRun, pending: dict[Any, Where], ended: dict[TaskKey, float]) -> Fail | None:
         try:

@@ -4,7 +4,8 @@ A pool of one worker whose roles no node updates (one that generates or
 scores; the checks refuse ``max_restarts`` elsewhere) may lose its worker
 (kill -9, out of memory) without stopping the run. The driver then:
 
-1. asks the backend which workers are dead, and replaces each (a new process
+1. reads which workers are dead from the failed report (the backend's
+   supervisor named them, with how each ended), and replaces each (a new process
    in the same placement, building the same roles; a ``kill`` fault of the
    fault switch does not fire again in it);
 2. finds the *lost* tasks of every step in flight
@@ -36,14 +37,12 @@ Example::
 from __future__ import annotations
 
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
 from flowrl.graph import Graph
-from flowrl.runtime.backend import Supervisor
-from flowrl.runtime.hangs import STACKS_TIMEOUT_S
+from flowrl.runtime.backend import Death, Supervisor
 from flowrl.runtime.steps import RecoveryPort, Resubmitted, StepRun
 
 log = logging.getLogger("flowrl.restarts")
@@ -100,39 +99,17 @@ class Restarts:
         log.warning("%s (restart %d of %d for pool %r)", event, self.used[pool], self.allowed.get(pool, 0), pool)
 
 
-def find_dead(supervisor: Supervisor, restarts: Restarts, exc: BaseException) -> set[Worker]:
-    """The dead workers behind failure ``exc`` (none asked for when no pool may restart)."""
-    if not any(restarts.allowed.values()):
-        return set()
-    dead = set(supervisor.dead_workers())
-    if not dead and any(restarts.allowed.get(p) for p in restarts.rolls_back) and "collective" in str(exc):
-        dead = _wait_for_death(supervisor)  # a peer's broken collective can come before Ray has seen the death
-    return dead
-
-
-def replace_dead(port: RecoveryPort, supervisor: Supervisor, restarts: Restarts, st: StepRun, dead: set[Worker],
-                 cause: str) -> Resubmitted:
+def replace_dead(port: RecoveryPort, supervisor: Supervisor, restarts: Restarts, st: StepRun,
+                 dead: dict[Worker, Death]) -> Resubmitted:
     """Replace the dead workers and submit the tasks they lost again (see the module docstring);
     ``st``: the step being finished, where the restarts count."""
-    labels = {w: supervisor.worker_label(*w) for w in dead}
     for w in sorted(dead):
         supervisor.replace(*w)
-    rerun = port.resubmit_lost(dead)
+    rerun = port.resubmit_lost(set(dead))
     for w in sorted(dead):
-        restarts.record(Restart(labels[w], supervisor.death_cause(*w) or cause, st.step, rerun), w[0])
+        restarts.record(Restart(dead[w].label, dead[w].cause, st.step, rerun), w[0])
     st.faults["restarts"] += len(dead)
     return Resubmitted(rerun)
 
 
-def _wait_for_death(supervisor: Supervisor) -> set[Worker]:
-    """The dead workers, asked again for a few seconds while none is found."""
-    until = time.monotonic() + STACKS_TIMEOUT_S
-    while time.monotonic() < until:
-        time.sleep(0.25)
-        dead = set(supervisor.dead_workers())
-        if dead:
-            return dead
-    return set()
-
-
-__all__ = ["Restart", "Restarts", "find_dead", "replace_dead"]
+__all__ = ["Restart", "Restarts", "replace_dead"]

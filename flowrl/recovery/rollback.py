@@ -7,11 +7,11 @@ the middle of a step (:mod:`flowrl.recovery.restarts`). With
 
 1. ends every worker of that pool (a live rank may be stuck in a collective
    with the dead one), starts new ones and forms the pool's group again; a dead
-   worker of another pool is replaced; every step in flight is forgotten;
+   worker of another pool is replaced;
 2. resumes the run the way ``--resume`` does, through the same public path
-   (:class:`Resumable`, :meth:`flowrl.run.trainer.Trainer.resume`): every
-   worker's state, the data position, the step; every sink (``metrics.jsonl``,
-   ``fingerprints.jsonl``, records) cut back to it;
+   (:class:`Resumable`, :meth:`flowrl.run.trainer.Trainer.resume`): the steps
+   in flight dropped, every worker's state, the data position, the step; every
+   sink (``metrics.jsonl``, ``fingerprints.jsonl``, records) cut back to it;
 3. answers :class:`~flowrl.runtime.steps.RollBack`: the runtime goes on from
    the step after the checkpoint. The steps run again are the steps the
    uninterrupted run takes, so the run ends with the same metrics; the step the
@@ -25,7 +25,7 @@ runtime driven by hand (no :class:`Resumable`) cannot roll back: the step fails,
 
 Example::
 
-    outcome = roll_back(port, supervisor, restarts, trainer, dead, ["train"], step=4)
+    outcome = roll_back(port, supervisor, restarts, trainer, failure.deaths, ["train"], step=4)
 """
 
 from __future__ import annotations
@@ -34,11 +34,8 @@ from typing import Callable, Protocol
 
 from flowrl.errors import WorkerDiedError
 from flowrl.recovery.restarts import Restart, Restarts
-from flowrl.runtime.backend import Supervisor
+from flowrl.runtime.backend import Death, Supervisor
 from flowrl.runtime.steps import Fail, RecoveryPort, RollBack
-
-#: a dead worker: pool, rank, label, how it ended
-Dead = tuple[str, int, str, str]
 
 
 class Resumable(Protocol):
@@ -50,18 +47,20 @@ class Resumable(Protocol):
         """Whether a complete checkpoint has been saved."""
 
     def resume(self) -> int:
-        """Load the newest checkpoint into the run and cut its sinks back; the 0-based step to go on from."""
+        """Drop the steps in flight, load the newest checkpoint into the run and cut its sinks back; the
+        0-based step to go on from."""
 
     def start_over(self) -> int:
-        """Take the run back to before its first step (the data at its start, every sink emptied); 0."""
+        """Take the run back to before its first step (no step in flight, the data at its start, every sink
+        emptied); 0."""
 
 
 def roll_back(port: RecoveryPort, supervisor: Supervisor, restarts: Restarts, run: Resumable | None,
-              dead: list[Dead], pools: list[str], step: int) -> RollBack | Fail:
+              dead: dict[tuple[str, int], Death], pools: list[str], step: int) -> RollBack | Fail:
     """Start ``pools`` anew and resume ``run`` from its last checkpoint (see the module docstring);
     ``dead``: every dead worker; ``step``: the 0-based step being finished."""
-    _, _, label, cause = dead[0]
-    died = f"worker {label} died at step {step + 1} ({cause}); pool {pools[0]!r}"
+    first = min(dead)
+    died = f"worker {dead[first].label} died at step {step + 1} ({dead[first].cause}); pool {pools[0]!r}"
     if run is None:
         return Fail(WorkerDiedError(
             f"{died} holds a sharded or trained role, so the run must roll back to its last checkpoint: flowrl "
@@ -73,13 +72,12 @@ def roll_back(port: RecoveryPort, supervisor: Supervisor, restarts: Restarts, ru
     restarted = pools if saved else list(port.graph.config.pools)
     for pool in restarted:
         supervisor.restart_pool(pool)
-    for pool, rank, _, _ in dead:
+    for pool, rank in sorted(dead):
         if pool not in restarted:
             supervisor.replace(pool, rank)
-    port.forget_steps()
     start = run.resume() if saved else run.start_over()
-    for pool, rank, label, cause in dead:
-        event = Restart(label, cause, step, 0, rolled_back_to=start - 1)
+    for (pool, _), death in sorted(dead.items()):
+        event = Restart(death.label, death.cause, step, 0, rolled_back_to=start - 1)
         restarts.record(event, pool)
         run.say(f"{event} (restart {restarts.used[pool]} of {restarts.allowed[pool]})")
     port.count(step, "restarts", len(dead))
@@ -87,4 +85,4 @@ def roll_back(port: RecoveryPort, supervisor: Supervisor, restarts: Restarts, ru
     return RollBack(start)
 
 
-__all__ = ["Dead", "Resumable", "roll_back"]
+__all__ = ["Resumable", "roll_back"]

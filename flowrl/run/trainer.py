@@ -337,8 +337,9 @@ class Trainer:
                           f"--allow-data-change to go on with the new data, or start a new run directory (--out)")
 
     def start_over(self) -> int:
-        """Take the run back to before its first step: the data at its start, every sink emptied (a rollback
-        before any checkpoint, its pools started anew: :mod:`flowrl.recovery.rollback`); 0."""
+        """Take the run back to before its first step: no step in flight, the data at its start, every sink
+        emptied (a rollback before any checkpoint, its pools started anew: :mod:`flowrl.recovery.rollback`); 0."""
+        self.runtime.restore(None)
         if self._source_start is not None:
             self.source.load_state_dict(self._source_start)
         self.say("no checkpoint yet: going back to the start of the run")

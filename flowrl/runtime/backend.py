@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import abc
 import re
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -122,6 +124,14 @@ class Backend(abc.ABC):
         pass
 
 
+@dataclass(frozen=True)
+class Death:
+    """A dead worker as the supervisor found it: its label (pool, rank, pid) and how it ended."""
+
+    label: str
+    cause: str
+
+
 class Supervisor:
     """What looks after a backend's workers (see the module docstring): the base one, for a backend whose
     workers are not processes of their own (``local``), knows no dead worker and reads no stack."""
@@ -137,13 +147,22 @@ class Supervisor:
         its task may be stuck (:mod:`flowrl.runtime.hangs`); '' when the backend cannot tell."""
         return ""
 
-    def dead_workers(self) -> list[tuple[str, int]]:
-        """The (pool, rank) of every worker whose process has died."""
-        return []
+    def deaths(self, failure: BaseException | None = None) -> dict[tuple[str, int], Death]:
+        """Every worker whose process has died, with its label and how it ended; asked about ``failure``
+        (a report that failed), a broken collective with no death seen yet is asked again for a few
+        seconds: a peer's broken collective can come before the backend has seen the death."""
+        dead = self.dead_now()
+        if dead or failure is None or "collective" not in str(failure):
+            return dead
+        until = time.monotonic() + STACKS_TIMEOUT_S
+        while not dead and time.monotonic() < until:
+            time.sleep(0.25)
+            dead = self.dead_now()
+        return dead
 
-    def death_cause(self, pool: str, rank: int) -> str | None:
-        """How a worker :meth:`dead_workers` found dead ended (:func:`describe_death`), when known."""
-        return None
+    def dead_now(self) -> dict[tuple[str, int], Death]:
+        """The dead workers as the backend sees them at this moment (:meth:`deaths`)."""
+        return {}
 
     def replace(self, pool: str, rank: int) -> None:
         """Start a new worker for a dead one, in its place, building the same roles. A backend whose

@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from flowrl.runtime import ray_start
-from flowrl.runtime.backend import Backend, Supervisor, backend, describe_death
+from flowrl.runtime.backend import Backend, Death, Supervisor, backend, describe_death
 from flowrl.errors import PlacementError, RuntimeFailure
 from flowrl.timeouts import PLACEMENT_S
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
@@ -46,7 +46,6 @@ class RayBackend(Backend):
         self._started_ray = False
         self._boot: ray_start.RayStart | None = None
         self.pids: dict[tuple[str, int], int] = {}
-        self._deaths: dict[tuple[str, int], str] = {}  # how each dead worker found ended (Ray's words)
         self.spans: list[Span] = []  # the start-up of the driver's side and of every worker
         self._log_offset = 0  # where this run's part of the log starts
         self._early: threading.Thread | None = None  # asking for the workers before start() (prepare)
@@ -291,24 +290,20 @@ class RaySupervisor(Supervisor):
 
     backend: RayBackend
 
-    def dead_workers(self) -> list[tuple[str, int]]:
+    def dead_now(self) -> dict[tuple[str, int], Death]:
         b = self.backend
         ray = b._ray
         # asked on the control thread, so a busy (or stopped) worker is not taken for dead
         pings = {k: a.ping.options(concurrency_group="control").remote() for k, a in b.actors.items()}
-        dead = []
+        dead = {}
         for key, ref in pings.items():
             try:
                 ray.get(ref, timeout=STACKS_TIMEOUT_S)
             except ray.exceptions.GetTimeoutError:
                 pass
             except ray.exceptions.RayActorError as e:
-                dead.append(key)
-                b._deaths[key] = describe_death(e) or type(e).__name__
+                dead[key] = Death(b.worker_label(*key), describe_death(e) or type(e).__name__)
         return dead
-
-    def death_cause(self, pool: str, rank: int) -> str | None:
-        return self.backend._deaths.get((pool, rank))
 
     def restart_pool(self, pool: str) -> None:
         b = self.backend

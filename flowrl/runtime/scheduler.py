@@ -34,7 +34,7 @@ from flowrl.plan.staleness import Versions, window
 from flowrl.runtime.backends import Backend, make_backend
 from flowrl.plan.reads import fetched, task_input
 from flowrl.runtime.reports import StepResult, check_versions, node_states, pipeline_metrics, step_metrics
-from flowrl.runtime.steps import (Fail, FinishedStep, Guard, Outcome, RollBack, StateNotTaken, StepHook, StepRun, Where,
+from flowrl.runtime.steps import (Fail, Failure, FinishedStep, Guard, Outcome, RollBack, StateNotTaken, StepHook, StepRun, Where,
                                   forget, hand_back_state, lost_tasks, report_status, resolve_snapshot)
 from flowrl.runtime.timeline import Timeline
 from flowrl.runtime.worker import Call, Info, node_entries
@@ -223,7 +223,7 @@ class Runtime:
             for h, report in done:
                 where = pending.pop(h)
                 if isinstance(report, BaseException):
-                    outcome = self.recovery.failed(st, report, where)
+                    outcome = self.recovery.failed(st, self._failure(report), where)
                     if isinstance(outcome, RollBack):
                         return outcome
                     self._fail_on(st, outcome, ended, where[0] and where[0][0], "failed")
@@ -236,6 +236,10 @@ class Runtime:
             stuck = self.recovery.watch(st, pending, ended)
             self._fail_on(st, stuck, ended, getattr(stuck and stuck.error, "node", None), "stuck")
         return self._result(st, infos, syncs)
+
+    def _failure(self, error: BaseException) -> Failure:
+        """A failed report for recovery: with the dead workers behind it when a pool may restart one."""
+        return Failure(error, self.backend.supervisor.deaths(error) if self.recovery.wants_deaths else {})
 
     def _take(self, info: Info, where: Where, ended: dict[TaskKey, float], infos: list[Info],
               syncs: list[Info]) -> None:
@@ -324,14 +328,6 @@ class Runtime:
         """Give step ``st`` another source batch (before its tasks are submitted again)."""
         st.batch, st.src = batch, self.backend.put(batch)
 
-    def forget_steps(self) -> None:
-        """Drop every step in flight and every weight version moved (a rollback: :meth:`restore` next)."""
-        self.backend.discard([h for st in self.steps()
-                              for h in [*st.reports, *(h for o in st.outputs.values() for h in o.handles())]])
-        self._finishing = None
-        self._in_flight.clear()
-        self._reset()
-
     def count(self, step: int, fault: str, n: int = 1) -> None:
         """Add ``n`` to ``faults/<fault>`` of 0-based step ``step`` when it runs again (after a rollback)."""
         self._carried[step][fault] += n
@@ -360,18 +356,27 @@ class Runtime:
             try:
                 return resolve_snapshot(self.backend, st.snapshot, self.graph.config.schedule.timeout_s)
             except StateNotTaken as e:
-                outcome = self.recovery.failed(st, e.cause, (None, *e.worker))
+                outcome = self.recovery.failed(st, self._failure(e.cause), (None, *e.worker))
                 if isinstance(outcome, RollBack):
                     return outcome
                 if isinstance(outcome, Fail):
                     raise e.cause from None  # as it came: a timeout names the worker and the checkpoint
                 st.snapshot = {**self._queue_snapshot(st.step, None), "source": st.snapshot["source"]}
 
-    def restore(self, payload: dict[str, Any]) -> None:
+    def restore(self, payload: dict[str, Any] | None) -> None:
         """Load a checkpoint payload into the (started) workers; the next step is ``payload['step'] + 1``.
-        A rank the checkpoint has no state for (another worker count) takes rank 0's, without its own
-        (per-rank) parts; sharded roles reshard from ``payload['shards']``."""
+        Every step in flight and every weight version moved are dropped first (a rollback, a resume);
+        ``None``: only that (a rollback before the first checkpoint: its pools were started anew). A rank
+        the checkpoint has no state for (another worker count) takes rank 0's, without its own (per-rank)
+        parts; sharded roles reshard from ``payload['shards']``."""
         self.start()
+        self.backend.discard([h for st in self.steps()
+                              for h in [*st.reports, *(h for o in st.outputs.values() for h in o.handles())]])
+        self._finishing = None
+        self._in_flight.clear()
+        self._reset()
+        if payload is None:
+            return
         saved = payload["workers"]
         handles = []
         for pool, rank in self._worker_keys():

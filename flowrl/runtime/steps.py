@@ -13,8 +13,10 @@ waits for their reports; the cross-cutting work attaches to it from outside:
   pending, it answers with an outcome — :class:`Resubmitted` (the lost tasks run
   again), :class:`RollBack` (the run goes on from a checkpoint's step) or
   :class:`Fail` — and acts through the port the runtime implements
-  (:class:`RecoveryPort`: the steps in flight, submit the lost tasks again,
-  forget every step).
+  (:class:`RecoveryPort`: the steps in flight, submit the lost tasks again).
+  A failed report reaches it as a :class:`Failure`: the error, and the dead
+  workers the backend's supervisor found behind it (label and cause), asked
+  once, where the report was waited for.
 
 Which tasks a fault loses (:func:`lost_tasks`) is knowledge of the runtime's
 steps, so it lives here: a dead worker's tasks and a refilled step's are found
@@ -39,7 +41,7 @@ from flowrl.data import DataProto, DataProtoFuture
 from flowrl.graph import Graph
 from flowrl.plan.planner import Plan, TaskKey
 from flowrl.errors import RuntimeFailure
-from flowrl.runtime.backend import Backend, Supervisor, named_failure
+from flowrl.runtime.backend import Backend, Death, Supervisor, named_failure
 from flowrl.runtime.hangs import get_within
 from flowrl.runtime.reports import StepResult
 from flowrl.runtime.worker import Info
@@ -66,6 +68,15 @@ class StepRun:
     batch: DataProto | None = None  # the source batch (a refill replaces prompts in it)
     state_in: dict[str, Any] = field(default_factory=dict)  # operator states the step started from
     faults: Counter[str] = field(default_factory=Counter)  # restarts, refills: faults/<name>
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A report that failed: the ``error`` it raised, and every dead worker the supervisor found behind it
+    (:meth:`~flowrl.runtime.backend.Supervisor.deaths`; asked only when a pool may restart)."""
+
+    error: BaseException
+    deaths: dict[Worker, Death] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- outcomes
@@ -113,9 +124,6 @@ class RecoveryPort(Protocol):
     def rebatch(self, st: StepRun, batch: DataProto) -> None:
         """Give step ``st`` another source batch (before its tasks are submitted again)."""
 
-    def forget_steps(self) -> None:
-        """Drop every step in flight and every weight version moved (a rollback, before a restore)."""
-
     def count(self, step: int, fault: str, n: int = 1) -> None:
         """Add ``n`` to ``faults/<fault>`` of 0-based step ``step`` (now, or when it runs again)."""
 
@@ -131,10 +139,13 @@ class Guard:
         """Called once by the runtime that owns this guard."""
         self.port, self.supervisor = port, supervisor
 
-    def failed(self, st: StepRun, exc: BaseException, where: Where) -> Outcome:
-        """A report of ``st`` failed with ``exc``: what now."""
+    #: whether :class:`Failure` should carry the dead workers (a pool may restart one)
+    wants_deaths: bool = False
+
+    def failed(self, st: StepRun, failure: Failure, where: Where) -> Outcome:
+        """A report of ``st`` failed: what now."""
         key, pool, rank = where
-        return Fail(named_failure(exc, st.step, key and key[0], self.supervisor.worker_label(pool, rank)))
+        return Fail(named_failure(failure.error, st.step, key and key[0], self.supervisor.worker_label(pool, rank)))
 
     def watch(self, st: StepRun, pending: dict[Any, Where], ended: dict[TaskKey, float]) -> Fail | None:
         """Asked at every poll while ``pending`` reports of ``st`` are out (``ended``: when each finished
@@ -278,5 +289,5 @@ def resolve_snapshot(backend: Backend, snap: dict[str, Any], timeout_s: float | 
             "operator_state": {n: state_of(h) for n, h in snap["operator_state"].items()}}
 
 
-__all__ = ["Fail", "FinishedStep", "Guard", "Outcome", "RecoveryPort", "Resubmitted", "RollBack", "StepHook",
+__all__ = ["Fail", "Failure", "FinishedStep", "Guard", "Outcome", "RecoveryPort", "Resubmitted", "RollBack", "StepHook",
            "StateNotTaken", "StepRun", "Where", "forget", "hand_back_state", "lost_tasks", "report_status", "resolve_snapshot"]
