@@ -118,3 +118,20 @@ def llama_dir(shape: dict[str, int], root: str, name: str) -> str:
         torch.manual_seed(0)
         model = hf("LlamaForCausalLM")(config)
     return str(save_model(model, tokenizer, f"{root}/{name}"))
+
+
+def matmul_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
+    """float32 FLOP/s of ``[m, k] @ [k, n]`` on this thread: the best of repeated timings."""
+    a, b = torch.randn(m, k), torch.randn(k, n)
+    best, end = float("inf"), time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        for _ in range(4):
+            torch.mm(a, b)
+        best = min(best, (time.perf_counter() - t0) / 4)
+    return 2 * m * k * n / best
+
+
+def peaks(config) -> tuple[float, float]:
+    """(the core's matmul peak: 512×512×512, the model's own MLP matmul: 2048 × hidden × MLP width) in FLOP/s."""
+    return matmul_rate(512, 512, 512), matmul_rate(2048, config.hidden_size, config.intermediate_size)

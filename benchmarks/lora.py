@@ -11,6 +11,12 @@ updates (``actor.update`` on ``--batch`` synthetic rows of ``--tokens`` tokens, 
 them scored) are timed one by one; then the weights a rollout engine with its own copy is pushed
 (:meth:`TrainEngine.named_weights`: merged ``W + scale·BA`` under LoRA) are produced and counted.
 Peak memory is the process's max RSS (``ru_maxrss``: the model's load included, as a run sees it).
+The update's throughput is its tokens (every position of every row goes through the model) per second
+of the best timed update, and its model-FLOP utilization (MFU) those tokens' FLOPs over a float32
+matmul roofline measured in the same process right after (the best of repeated ``512³`` timings, and
+of the model's own MLP matmul, ``2048 × hidden × MLP width``): ``6·N`` FLOPs a token for full
+fine-tuning (forward, input and weight gradients), ``4·N + 6·N_adapters`` under LoRA (the frozen base
+needs no weight gradient).
 Modes alternate A B A B over ``--rounds`` rounds, since the machine is shared; medians and the
 ratios lora/full are printed with the load (``uptime``) before and after.
 
@@ -65,12 +71,20 @@ def child(mode: str, spec: str, r: int, batch: int, tokens: int, response: int, 
         start = time.perf_counter()
         actor_ops.update(actor, rows, micro_batch_size=batch)
         seconds.append(time.perf_counter() - start)
+    from benchmarks._common import peaks
+
+    core_peak, model_peak = peaks(actor.model.config)  # the roofline, measured next to the work
+    params = sum(p.numel() for p in actor.model.parameters())
+    trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
+    per_token = 6 * params if mode == "full" else 4 * (params - trainable) + 6 * trainable
+    flops = per_token * batch * tokens / min(seconds)
     start = time.perf_counter()
     pushed = sum(t.numel() * t.element_size() for _, t in actor.train_engine.named_weights())
     push_s = time.perf_counter() - start
-    trainable = sum(p.numel() for p in actor.model.parameters() if p.requires_grad)
     max_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
-    return {"update_s": statistics.median(seconds), "max_rss_mib": max_rss_mib,
+    return {"update_s": statistics.median(seconds), "tokens_per_s": batch * tokens / min(seconds),
+            "mfu_core": flops / core_peak, "mfu_model": flops / model_peak, "core_gflops": core_peak / 1e9,
+            "model_gflops": model_peak / 1e9, "max_rss_mib": max_rss_mib,
             "push_s": push_s, "push_mib": pushed / 2**20, "trainable": trainable,
             "optimizer_mib": actor.held_bytes()["optimizer"] / 2**20}
 
@@ -123,7 +137,10 @@ def main() -> None:
         return statistics.median(r[key] for r in results[mode])
 
     rows = []
-    for key, label, fmt in (("update_s", "update step (s)", "{:.3f}"), ("max_rss_mib", "peak RSS (MiB)", "{:.0f}"),
+    for key, label, fmt in (("update_s", "update step (s)", "{:.3f}"), ("tokens_per_s", "update tokens/s", "{:.0f}"),
+                            ("mfu_core", "update MFU vs 512³ matmul", "{:.1%}"),
+                            ("mfu_model", "update MFU vs the model's MLP matmul", "{:.1%}"),
+                            ("max_rss_mib", "peak RSS (MiB)", "{:.0f}"),
                             ("optimizer_mib", "optimizer state (MiB)", "{:.1f}"),
                             ("push_s", "merged-weights pass (s)", "{:.3f}"), ("push_mib", "push size (MiB)", "{:.1f}")):
         full, lora = med("full", key), med("lora", key)
@@ -134,6 +151,12 @@ def main() -> None:
                 f"({args.response} scored), medians of {args.rounds} rounds",
                 ["", "full", f"lora r={args.r}", "ratio lora/full"], rows,
                 notes=[f"load before: {load_before}", f"load after:  {load_after}",
+                       f"float32 matmul roofline, one thread (medians): 512³ "
+                       f"{statistics.median(r['core_gflops'] for m in MODES for r in results[m]):.1f} GFLOP/s, "
+                       f"the model's MLP matmul "
+                       f"{statistics.median(r['model_gflops'] for m in MODES for r in results[m]):.1f} GFLOP/s; "
+                       f"tokens/s and MFU from each process's best update (6·N FLOPs a token full, "
+                       f"4·N + 6·N_adapters LoRA)",
                        "each mode in a fresh process, interleaved full, lora, full, lora, ...; one torch thread"])
 
 

@@ -45,7 +45,7 @@ import _common  # noqa: F401  (repository on sys.path, one torch thread)
 import numpy as np
 import torch
 
-from _common import llama_dir, print_table
+from _common import llama_dir, peaks, print_table
 from flowrl.data import DataProto
 from flowrl.runtime.worker import RoleContext
 from operators import actor as actor_ops
@@ -67,23 +67,6 @@ DEFAULT_LENGTHS = {"builtin:tiny": [8, 64, 128, 512], "llama-25m": [8, 128]}
 def build_model_dir(name: str, root: str) -> str:
     """The model directory of ``MODELS[name]``'s shape (:func:`_common.llama_dir`); returns its path."""
     return llama_dir(MODELS[name], root, name)
-
-
-def matmul_rate(m: int, k: int, n: int, seconds: float = 0.5) -> float:
-    """float32 FLOP/s of ``[m, k] @ [k, n]`` on this thread: the best of repeated timings."""
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    best, end = float("inf"), time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        t0 = time.perf_counter()
-        for _ in range(4):
-            torch.mm(a, b)
-        best = min(best, (time.perf_counter() - t0) / 4)
-    return 2 * m * k * n / best
-
-
-def peaks(config) -> tuple[float, float]:
-    """(the core's matmul peak: 512×512×512, the model's own MLP matmul: 2048 × hidden × MLP width) in FLOP/s."""
-    return matmul_rate(512, 512, 512), matmul_rate(2048, config.hidden_size, config.intermediate_size)
 
 
 def prompts(loader: PromptLoader, tokenizer_spec: str) -> DataProto:

@@ -191,11 +191,12 @@ def test_every_step_logs_the_plans_prediction_and_a_lasting_drift_is_warned_once
     check.observe({**slow, "step": 6})
     check.observe({**calm, "step": 7})
     assert said == []  # one slow step between calm ones: noise, not drift
-    for step in (8, 9):
+    for step in range(8, 16):  # 1.168 s a step: three in a row are a burst of load, not a drift that lasts
         check.observe({**slow, "step": step})
-    assert said == [] and check.observe({**slow, "step": 10})["plan/error"] == pytest.approx(0.4 / predicted)
-    assert len(said) == 1 and "'generate'" in said[0] and "3 steps in a row" in said[0]  # PERSIST = 3
-    for step in range(11, 15):
+    assert said == [] and check.observe({**slow, "step": 16})["plan/error"] == pytest.approx(0.4 / predicted)
+    # LASTING_S = 10: the ninth slow step in a row makes 10.5 s of them
+    assert len(said) == 1 and "'generate'" in said[0] and "9 steps in a row (10.5s)" in said[0]
+    for step in range(17, 21):
         check.observe({**slow, "step": step})
     assert len(said) == 1  # once per run
 

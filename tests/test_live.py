@@ -73,6 +73,12 @@ def test_a_wait_gets_a_line_after_5_s_then_every_10_s_and_a_new_wait_starts_agai
     assert waits.tick() is None
     now[0] += 0.1
     assert waits.tick() == "… step 2/3: 5 s"
+    waits.begin("step 3/300")  # that wait was said; the steps after it come every 3 s: none gets a line
+    for t in range(1, 61):
+        now[0] += 1
+        if t % 3 == 0:
+            waits.begin(f"step {3 + t // 3}/300")
+        assert waits.tick() is None, t
 
 
 def test_validation_scores_are_said_as_they_come_with_the_declared_maximum():

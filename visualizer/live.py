@@ -98,18 +98,21 @@ class Waits:
         self.say, self.first_s, self.every_s, self.clock = say, first_s, every_s, clock
         self.label: str | None = None
         self.since = self.next = 0.0
+        self.said = False  # whether the current wait has had a line
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="flowrl-waits", daemon=True)
         self._thread.start()
 
     def begin(self, label: str) -> None:
-        """A new wait (ending the one before, whose rhythm it keeps: a line at least every ``every_s``)."""
+        """A new wait, ending the one before. When that one was already said, the new one keeps its rhythm
+        (the terminal has been silent: a line at least every ``every_s``); otherwise its first line comes after
+        ``first_s`` (steps that each come sooner never print one)."""
         with self._lock:
             now = self.clock()
             first = now + self.first_s
-            self.next = min(self.next, first) if self.label is not None else first
-            self.label, self.since = label, now
+            self.next = min(self.next, first) if self.label is not None and self.said else first
+            self.label, self.since, self.said = label, now, False
 
     def end(self) -> None:
         """Nothing is being waited on."""
@@ -124,6 +127,7 @@ class Waits:
                 return None
             while self.next <= now:  # on the schedule, however late this tick came (a loaded machine)
                 self.next += self.every_s
+            self.said = True
             return f"… {self.label}: {now - self.since:.0f} s"
 
     def _run(self) -> None:

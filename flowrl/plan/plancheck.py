@@ -11,7 +11,9 @@ between finished steps.
 A warning is for a drift that lasts, not for one slow step on a busy machine: a
 step drifts when its error passes 25% and also passes what the run's own steps
 spread (:data:`SPREAD` times the median absolute deviation of the calm steps'
-seconds over their median); after :data:`PERSIST` drifting steps in a row, the
+seconds over their median); once :data:`PERSIST` steps in a row have drifted, over
+at least :data:`LASTING_S` seconds (a burst of another program's work on a shared
+machine is over in seconds, while a run of half-second steps makes three of them), the
 run is warned once, naming the node whose measured time drifted most from its
 predicted time. On a loaded machine (a load average over its cores) the warning
 names the load and goes to the run's log instead of the terminal: the machine,
@@ -40,6 +42,8 @@ from flowrl.plan.simulate import bounds_of, seconds_per_step, spread
 DRIFT = 0.25
 #: drifting steps in a row before the run is warned (once)
 PERSIST = 3
+#: and those steps took at least this many seconds together
+LASTING_S = 10.0
 #: a step drifts past this many median absolute deviations of the calm steps' seconds (relative to their median)
 SPREAD = 4.0
 STEPS = 8
@@ -80,7 +84,7 @@ class PlanCheck:
                 say(f"plan check: not using {path}: {e}")
         self.seen: list[dict[str, float]] = []  # the timing/<node> of the steps so far (the first left out)
         self.calm: list[float] = []  # the seconds of the steps that did not drift (the first left out)
-        self.streak: list[tuple[float, str]] = []  # the drifting steps in a row: error, the node drifting most
+        self.streak: list[tuple[float, str, float]] = []  # the drifting steps in a row: error, node, seconds
         self.warned = False
         self.steps = 0
         self._tasks: dict[TaskKey, float] | None = None  # task_seconds() until the next step is observed
@@ -144,8 +148,8 @@ class PlanCheck:
                 per_node: dict[str, float]) -> bool:
         """Whether the step drifts: off the prediction by more than DRIFT and than the calm steps spread, once
         there are enough calm steps to know their spread. The run is warned once, when PERSIST steps in a row
-        drifted with the same node drifting most (a slow step then a burst of the machine's load is not one
-        drift)."""
+        drifted, for LASTING_S seconds together, with the same node drifting most (a slow step then a burst of
+        the machine's load is not one drift)."""
         if len(self.calm) < PERSIST or abs(error) <= max(DRIFT, SPREAD * relative_spread(self.calm)):
             self.calm.append(measured)
             self.streak.clear()
@@ -153,14 +157,16 @@ class PlanCheck:
         node = max(nodes, key=lambda n: abs(nodes[n] - per_node.get(n, 0.0)))
         if self.streak and self.streak[-1][1] != node:
             self.streak.clear()
-        self.streak.append((error, node))
-        if self.warned or len(self.streak) < PERSIST:
+        self.streak.append((error, node, measured))
+        lasted = sum(s for _, _, s in self.streak)
+        if self.warned or len(self.streak) < PERSIST or lasted < LASTING_S:
             return True
         self.warned = True
         where = "the cost file" if self.costs is not None else "the steps before"
-        errors = ", ".join(f"{e:+.0%}" for e, _ in self.streak)
-        message = (f"plan check: {len(self.streak)} steps in a row off the predicted {step_s:.3g}s/step ({errors}; "
-                   f"step {step} took {measured:.3g}s); node {node!r} drifted most ({nodes[node]:.3g}s measured, "
+        errors = [f"{e:+.0%}" for e, _, _ in self.streak]
+        shown = ", ".join(errors if len(errors) <= 6 else [*errors[:3], "…", *errors[-2:]])
+        message = (f"plan check: {len(self.streak)} steps in a row ({lasted:.3g}s) off the predicted "
+                   f"{step_s:.3g}s/step ({shown}; step {step} took {measured:.3g}s); node {node!r} drifted most ({nodes[node]:.3g}s measured, "
                    f"{per_node.get(node, 0.0):.3g}s predicted from {where}); profile again with `flowrl profile` "
                    f"if this persists")
         load = self.load()
@@ -172,4 +178,4 @@ class PlanCheck:
         return True
 
 
-__all__ = ["DRIFT", "PERSIST", "SPREAD", "PlanCheck", "load_average", "relative_spread"]
+__all__ = ["DRIFT", "LASTING_S", "PERSIST", "SPREAD", "PlanCheck", "load_average", "relative_spread"]
