@@ -3,7 +3,9 @@ through the one recovery path (``Recovery``: a rollback) and ends with the metri
 (issue 36, item 2). Windows the fault switch names besides a node's task: ``node=checkpoint``, while the
 driver collects every worker's state for a checkpoint (a kill there ended the run with a 25-frame
 ``ActorDiedError`` traceback despite ``max_restarts: 1``), and ``node=validation``, a task of the validation
-run. In the first step, before any checkpoint, the run goes back to its start (it failed, naming the worker)."""
+run. In the first step, before any checkpoint, the run goes back to its start (it failed, naming the worker).
+And ``node=sync``: a worker of the generation pool killed while it loads the train pool's weights is replaced
+in place."""
 
 from __future__ import annotations
 
@@ -80,3 +82,28 @@ def test_a_rank_killed_in_each_window_rolls_back_and_ends_with_the_uninterrupted
         assert "actor/pg_loss" in a and _computed(a) == _computed(b), step
     prints = [row for _, row in read_metrics(out / "fingerprints.jsonl", warn=print) if "step" in row]
     assert [r["step"] for r in prints] == list(range(1, STEPS + 1))  # cut back as --resume cuts them
+
+
+def test_a_worker_killed_while_it_loads_another_pools_weights_is_replaced_and_the_run_is_unchanged(tmp_path):
+    """The weight-sync window (``node=sync``): the generation pool's worker dies loading the train pool's
+    weights for step 3; it is replaced in place, the sync and the tasks that waited on it run again, and
+    every metric equals the uninterrupted run's."""
+    small = {k: v for k, v in TWO.items() if k != "pools.train.workers"}
+
+    def run(out, **extra) -> Trainer:
+        trainer = Trainer(load_graph("grpo_async", overrides={**small, **extra}), backend="ray", steps=STEPS,
+                          out=out, say=lambda _: None)
+        trainer.run()
+        return trainer
+
+    run(tmp_path / "clean")
+    killed = run(tmp_path / "killed", **{"trainer.fault": "node=sync,step=3,rank=0,kind=kill",
+                                         "pools.gen.max_restarts": 1})
+    [event] = killed.recovery.restarts.events
+    assert event.worker.startswith("gen[0] (pid ") and event.step == 2 and event.rolled_back_to is None, event
+    clean = [row for _, row in read_metrics(tmp_path / "clean" / "metrics.jsonl", warn=print)]
+    got = [row for _, row in read_metrics(tmp_path / "killed" / "metrics.jsonl", warn=print)]
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    assert [r.get("faults/restarts", 0) for r in got] == [0, 0, 1, 0, 0]
+    for step, (a, b) in enumerate(zip(got, clean), 1):
+        assert "actor/pg_loss" in a and _computed(a) == _computed(b), step

@@ -9,16 +9,16 @@ import time
 import pytest
 
 from flowrl.graph import load_graph
-from flowrl.runtime import ray_start, startup
+from flowrl.runtime import ray_start, timeline
 from flowrl.store.rundir import RunDirectoryError
-from flowrl.runtime.startup import Span, describe, process_start
+from flowrl.runtime.timeline import Span, describe, process_start
 from flowrl.run.trainer import Trainer
 
 TINY = {"data.batch_size": 4, "nodes.generate.n": 2, "nodes.generate.max_new_tokens": 4}
 
 
 def test_a_process_started_before_it_imported_anything():
-    assert process_start() <= startup.IMPORTED_AT <= time.time()
+    assert process_start() <= timeline.IMPORTED_AT <= time.time()
     assert process_start(os.getppid()) <= process_start()  # the parent was there first
 
 

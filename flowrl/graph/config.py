@@ -116,8 +116,9 @@ class OnErrorConfig(_Strict):
 #: what a fault does when it fires: raise an error, hang forever, or kill the worker's process
 FAULT_KINDS = ("raise", "hang", "kill")
 #: moments of a step the fault switch can fire in besides a node's task: a worker's state being taken for
-#: the checkpoint of that step (``node=checkpoint``), any task of the validation run after it (``node=validation``)
-FAULT_WINDOWS = ("checkpoint", "validation")
+#: the checkpoint of that step (``node=checkpoint``), any task of the validation run after it (``node=validation``),
+#: weights from another pool being loaded for a task of that step (``node=sync``)
+FAULT_WINDOWS = ("checkpoint", "validation", "sync")
 
 
 class FaultSpecError(ConfigError, ValueError):

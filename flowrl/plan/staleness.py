@@ -128,7 +128,7 @@ class Versions:
         key = (g.sync_role, j, pool, rank)
         if key in self.syncs:
             return self.syncs[key], None
-        handle = self._call(pool, rank, "set_weights", g.sync_role, self.weights[(g.role, j)])
+        handle = self._call(pool, rank, "set_weights", g.sync_role, self.weights[(g.role, j)], t)
         self.syncs[key] = handle
         return handle, handle
 

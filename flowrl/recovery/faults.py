@@ -19,7 +19,8 @@ The fault switch: ``trainer.fault: "node=reward,step=3,rank=0,kind=raise"`` in t
 like the metrics; ``rank`` and ``mb`` narrow it; ``times=N`` fires it on the first N attempts
 only) makes that node's task fail that way, for tests and rehearsals. ``node=checkpoint`` fires
 instead where a worker's state is taken for that step's checkpoint, ``node=validation`` in the
-tasks of the validation run after that step. A ``kill`` fires in the
+tasks of the validation run after that step, ``node=sync`` where a worker loads another pool's
+weights for a task of that step. A ``kill`` fires in the
 worker's first process only, so a replaced worker runs the task again.
 
 Both are :mod:`hooks <flowrl.runtime.hooks>` this module registers: :class:`FailurePolicy` on
@@ -56,8 +57,8 @@ if TYPE_CHECKING:
 
 
 #: the fault switch's windows besides a node's task: a worker's state taken for a checkpoint
-#: (``node=checkpoint``), a task of the validation run (``node=validation``)
-CHECKPOINT, VALIDATION = FAULT_WINDOWS
+#: (``node=checkpoint``), a task of the validation run (``node=validation``), a weight sync (``node=sync``)
+CHECKPOINT, VALIDATION, SYNC = FAULT_WINDOWS
 #: the kind of plan validation runs (:mod:`flowrl.plan.validation`)
 VALIDATION_PLAN = "val"
 
@@ -86,8 +87,8 @@ class Injector(TaskHook):
 
         return injected
 
-    def checkpointing(self, step: int, rank: int) -> None:
-        self.fire(CHECKPOINT, step, rank, None)
+    def entering(self, window: str, step: int, rank: int) -> None:
+        self.fire(window, step, rank, None)
 
     def fire(self, node: str, step: int, rank: int, mb: int | None) -> None:
         """Fail the way the fault says when it names this task (and has attempts left)."""

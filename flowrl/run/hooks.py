@@ -36,7 +36,7 @@ from flowrl.plan.plancheck import PlanCheck
 from flowrl.plan.planner import Plan
 from flowrl.provenance.fingerprints import FingerprintLog
 from flowrl.provenance.record import Recorder, collect_records
-from flowrl.runtime.startup import describe
+from flowrl.runtime.timeline import describe
 from flowrl.runtime.steps import FinishedStep, StepHook
 from flowrl.store.dumps import graph_fields, write_rollouts
 from flowrl.store.sinks import Sinks, cut_metrics, open_sinks

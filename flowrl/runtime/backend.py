@@ -113,7 +113,7 @@ class Backend(abc.ABC):
         return Supervisor(self)
 
     def startup_spans(self) -> list[Any]:
-        """What each process did while the workers started (:class:`~flowrl.runtime.startup.Span`)."""
+        """What each process did while the workers started (:class:`~flowrl.runtime.timeline.Span`)."""
         return []
 
     def notes(self) -> list[str]:

@@ -84,8 +84,10 @@ class TaskHook:
         load's report carries from this hook."""
         return {}
 
-    def checkpointing(self, step: int, rank: int) -> None:
-        """This worker's state is about to be taken for the checkpoint of 0-based ``step``."""
+    def entering(self, window: str, step: int, rank: int) -> None:
+        """The worker is at a moment of 0-based ``step`` that is no task (``FAULT_WINDOWS``): ``checkpoint``, its
+        state about to be taken for that step's checkpoint; ``sync``, another pool's weights about to be loaded
+        for a task of that step."""
 
 
 class HookSpec(abc.ABC):

@@ -21,7 +21,7 @@ from flowrl.timeouts import PLACEMENT_S
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
 from flowrl.plan.pools import DRIVER, PoolSpec
 from flowrl.store.runlog import log_offset, warning_notes
-from flowrl.runtime.startup import Span, process_start, span
+from flowrl.runtime.timeline import Span, process_start, span
 from flowrl.plan.traits import RAY
 from flowrl.runtime.worker import Call, NodeEntry
 from flowrl.runtime.worker_process import ProcessWorker, role_modules

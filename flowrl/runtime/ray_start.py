@@ -38,7 +38,7 @@ from typing import Any
 
 from flowrl.errors import PlacementError, RunError
 from flowrl.timeouts import RAY_REACH_S
-from flowrl.runtime.startup import Span
+from flowrl.runtime.timeline import Span
 from flowrl.plan.traits import RAY
 
 

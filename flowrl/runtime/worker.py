@@ -317,9 +317,13 @@ class Worker:
         """The weights of ``role`` and their version (what another pool's :meth:`set_weights` loads)."""
         return self.roles[role].get_weights(), self.versions[self.owner[role]]
 
-    def set_weights(self, role: str, payload: tuple[Any, int]) -> Info:
-        """Load ``(weights, version)`` from another pool's :meth:`get_weights` into ``role``: the version
-        they carry becomes this worker's for it, and the role is told it."""
+    def set_weights(self, role: str, payload: tuple[Any, int], step: int | None = None) -> Info:
+        """Load ``(weights, version)`` from another pool's :meth:`get_weights` into ``role`` (for a task of
+        0-based ``step``, when told): the version they carry becomes this worker's for it, and the role is
+        told it."""
+        if step is not None:
+            for hook in self._loaded_hooks:
+                hook.entering("sync", step, self.rank)
         start = time.time()
         weights, version = payload
         self.roles[role].set_weights(weights)
@@ -340,7 +344,7 @@ class Worker:
             raise ValueError("get_state writes the roles' tensors to a directory: pass shards=")
         if step is not None:
             for hook in self._loaded_hooks:
-                hook.checkpointing(step, self.rank)
+                hook.entering("checkpoint", step, self.rank)
         roles = {name: self.roles[name] for name in self._stateful()}
         return {"roles": save_states(shards, roles, self.group, self.rank), "versions": dict(self.versions)}
 

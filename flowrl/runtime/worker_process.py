@@ -7,7 +7,7 @@ roles come from, and imports them the moment the process exists; :meth:`ProcessW
 sent once the plan is made, builds the roles (the :class:`Worker`'s own start).
 Before anything is imported the process's output goes to the run's log and known
 library warnings are filtered (:mod:`flowrl.store.runlog`); it records its
-start-up (:mod:`flowrl.runtime.startup`): the interpreter and Ray, its imports,
+start-up (:mod:`flowrl.runtime.timeline`): the interpreter and Ray, its imports,
 each role it built, joining its process group.
 """
 
@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from flowrl.runtime.startup import IMPORTED_AT, Span, process_start, span  # first: its import time is a mark
+from flowrl.runtime.timeline import IMPORTED_AT, Span, process_start, span  # first: its import time is a mark
 from flowrl.errors import NodeError
 from flowrl.store.runlog import capture_worker_output, quiet_known_warnings
 from flowrl.plan.pools import PoolSpec, RoleBuild
