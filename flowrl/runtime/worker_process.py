@@ -79,6 +79,8 @@ class ProcessWorker(Worker):
         return replace(rb, factory=build)
 
     def join_group(self, *args: Any, **kwargs: Any) -> int:
+        if self._failed is not None:  # its roles were never built: say why, not what is missing for the group
+            raise self._failed
         start = time.time()
         try:
             return super().join_group(*args, **kwargs)
