@@ -56,9 +56,10 @@ if TYPE_CHECKING:
     from flowrl.plan.planner import Plan
 
 
-#: the fault switch's windows besides a node's task: a worker's state taken for a checkpoint
-#: (``node=checkpoint``), a task of the validation run (``node=validation``), a weight sync (``node=sync``)
-CHECKPOINT, VALIDATION, SYNC = FAULT_WINDOWS
+#: the window of :data:`FAULT_WINDOWS` fired from a task (validation's); the worker fires the others itself
+#: (``TaskHook.entering``: ``checkpoint``, ``sync``)
+VALIDATION = "validation"
+assert VALIDATION in FAULT_WINDOWS
 #: the kind of plan validation runs (:mod:`flowrl.plan.validation`)
 VALIDATION_PLAN = "val"
 

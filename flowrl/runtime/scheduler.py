@@ -80,8 +80,6 @@ class Runtime:
         self.recovery.attach(self, self.backend.supervisor)
         self._reset()
         self._stop = self._started = False
-        self._in_flight: deque[StepRun] = deque()  # the steps submitted behind the one being finished
-        self._finishing: StepRun | None = None  # the step whose reports are awaited
         self._carried: defaultdict[int, Counter[str]] = defaultdict(Counter)  # faults of steps to run again
         self._stage = stage or CheckpointStore(Path(tempfile.gettempdir())
                                                / f"flowrl-shards-{os.getpid()}-{id(self)}").path
@@ -97,6 +95,8 @@ class Runtime:
 
     def _reset(self) -> None:
         """No step in flight, no weight version moved."""
+        self._in_flight: deque[StepRun] = deque()  # the steps submitted behind the one being finished
+        self._finishing: StepRun | None = None  # the step whose reports are awaited
         self.versions = Versions(self.max_staleness, self.backend.call, lambda: self.backend.put(None))
         self._op_state: dict[str, dict[str, Any]] = {p.kind: {} for p in self.plan.runs()}  # node → latest state
         self._last_step_end: float | None = None
@@ -125,22 +125,22 @@ class Runtime:
         self.start()
         self._stop = False
         source = batches if hasattr(batches, "__next__") else iter(batches)
-        in_flight = self._in_flight = deque()
+        self._in_flight = deque()  # restore (a rollback) replaces it: read through self, never aliased
         t, end = start_step, start_step + steps
         try:
-            while t < end or in_flight:
-                while t < end and not self._stop and len(in_flight) < window(self.max_staleness):
+            while t < end or self._in_flight:
+                while t < end and not self._stop and len(self._in_flight) < window(self.max_staleness):
                     st = self._submit_step(t, next(source), self.plan)
                     if checkpoint is not None and checkpoint(t):
                         st.snapshot = self._queue_snapshot(t, batches)
                     if validate is not None and self.plan.validation is not None and validate(t):
                         assert val_batches is not None, "validate needs val_batches"
                         st.validation = self._submit_step(t, next(val_batches), self.plan.validation)
-                    in_flight.append(st)
+                    self._in_flight.append(st)
                     t += 1
-                if not in_flight:
+                if not self._in_flight:
                     break
-                result = self._finish(in_flight.popleft())
+                result = self._finish(self._in_flight.popleft())
                 if isinstance(result, RollBack):  # a checkpoint was loaded: go on from the step after it
                     t = result.step
                     continue
@@ -364,16 +364,12 @@ class Runtime:
                 st.snapshot = {**self._queue_snapshot(st.step, None), "source": st.snapshot["source"]}
 
     def restore(self, payload: dict[str, Any] | None) -> None:
-        """Load a checkpoint payload into the (started) workers; the next step is ``payload['step'] + 1``.
-        Every step in flight and every weight version moved are dropped first (a rollback, a resume);
-        ``None``: only that (a rollback before the first checkpoint: its pools were started anew). A rank
-        the checkpoint has no state for (another worker count) takes rank 0's, without its own (per-rank)
-        parts; sharded roles reshard from ``payload['shards']``."""
+        """Drop every step in flight and weight version moved, then load a checkpoint payload into the
+        (started) workers (``None``: nothing, their pools were started anew); the next step is ``payload['step']
+        + 1``. A rank with no state there (another worker count) takes rank 0's, without its per-rank parts."""
         self.start()
         self.backend.discard([h for st in self.steps()
                               for h in [*st.reports, *(h for o in st.outputs.values() for h in o.handles())]])
-        self._finishing = None
-        self._in_flight.clear()
         self._reset()
         if payload is None:
             return
