@@ -159,12 +159,13 @@ def _data_source_fits(graph):
             location=tok_at, fix="save the tokenizer with one (tokenizer.chat_template = ...; "
                                  "tokenizer.save_pretrained(path)), or set data.tokenizer to one that has it")
     vocab = vocabulary(spec)
-    for key, source_spec in (("source", cfg.source), ("val_source", cfg.val_source)):
+    gym = isinstance(cfg, ReasoningGymConfig)  # its held-out split comes from the source itself
+    for key, source_spec in (("source", cfg.source), ("val_source", cfg.val_source or (cfg.source if gym else None))):
         if source_spec is None:
             continue
-        where = graph.locate("data", key)
+        where = graph.locate("data", key if key == "source" or cfg.val_source else "val_size")
         try:
-            if isinstance(cfg, ReasoningGymConfig):
+            if gym:
                 n_rows = cfg.task_size if key == "source" else cfg.val_size
                 rows = sample_rows(task_of(source_spec), cfg.config, seed=0, size=n_rows,
                                    split="train" if key == "source" else "val")
@@ -172,7 +173,7 @@ def _data_source_fits(graph):
                 n_rows, rows = source_rows(source_spec, cfg.task_size if key == "source" else cfg.val_size)
         except (DatasetError, OSError, ValueError) as err:
             yield DataSourceError(str(err), location=where,
-                                  fix="" if source_spec.startswith("builtin:") else FILE_FIX)
+                                  fix="" if gym or source_spec.startswith("builtin:") else FILE_FIX)
             continue
         if key == "source":
             try:

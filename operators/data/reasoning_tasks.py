@@ -19,8 +19,11 @@ Rows are generated on demand from the seed (a task may take 100 ms a row). The h
 repeats a training question: a question belongs to the held-out split when the digest of its text falls
 in one of :data:`HELD_OUT_BUCKETS` buckets, so ``split="train"`` skips such questions and
 ``split="val"`` keeps only them (reasoning-gym seeds row ``i`` with ``seed + i``, so two seeds alone
-would share most of their rows). Row ``i`` of a split is the first candidate in the stream keyed by
-``(seed, split, i)`` that belongs to it.
+would share most of their rows). Row ``i`` of the training split is the first candidate in the stream
+keyed by ``(seed, split, i)`` that belongs to it. The held-out split is a score, so it never repeats
+itself either: its row ``i`` is the ``i``-th distinct held-out question of the stream keyed by
+``(seed, split)`` (a task with a narrow config, e.g. one-digit sums, holds out only a dozen questions;
+asking for more rows than it has is an error that says how many there are).
 
 Example::
 
@@ -48,6 +51,9 @@ HELD_OUT_BUCKETS = 16
 #: candidates a row tries before its task is declared unable to fill the split (a held-out row
 #: misses 255 times in a row with probability (15/16)^256 ≈ 7e-8)
 MAX_ATTEMPTS = 256
+#: candidates the held-out split reads past its last new question before it counts the task's held-out
+#: questions as all found (a new one turns up every 16 candidates while there are many left)
+MAX_DRY = MAX_ATTEMPTS * HELD_OUT_BUCKETS
 #: options flowrl sets itself: the seed and the number of rows
 OWN_OPTIONS = ("seed", "size")
 INSTALL = 'pip install torch==2.13.0 -e ".[models]" (or pip install reasoning-gym==0.1.25)'
@@ -145,6 +151,8 @@ class ReasoningGymRows(Sequence[dict]):
         check_task(task, self.config)
         self.size, self.split, self.format_score = size, split, format_score
         self._data = task_dataset(task, json.dumps(self.config, sort_keys=True), _stream_seed(seed, split), size)
+        self._held: list[Mapping[str, Any]] = []  # the held-out split's rows found so far, in order
+        self._scanned = 0  # candidates of the stream read to find them
 
     def __len__(self) -> int:
         return self.size
@@ -169,22 +177,48 @@ class ReasoningGymRows(Sequence[dict]):
         }
 
     def _entry(self, i: int) -> Mapping[str, Any]:
-        want_held_out = self.split == "val"
+        if self.split == "val":
+            return self._held_out_entry(i)
         for attempt in range(MAX_ATTEMPTS):
             try:
                 entry = self._data[i + attempt * self.size]
             except IndexError:  # a task whose rows are a fixed list: no candidate past its size
                 break
-            if held_out(entry["question"]) == want_held_out:
+            if not held_out(entry["question"]):
                 return entry
         raise ReasoningTaskError(
             f"reasoning-gym task {self.task!r} with config {self.config}: row {i} of the {self.split} split found "
             f"no question of its own in {MAX_ATTEMPTS} tries; the task's questions are too few to hold some "
             f"out (widen its config)")
 
+    def _held_out_entry(self, i: int) -> Mapping[str, Any]:
+        """Row ``i`` of the held-out split: the ``i``-th distinct held-out question of the stream."""
+        seen = {entry["question"] for entry in self._held}
+        dry = 0  # candidates since the last new question: a task out of questions stops here, not at the cap
+        while len(self._held) <= i and self._scanned < MAX_ATTEMPTS * self.size and dry < MAX_DRY:
+            try:
+                entry = self._data[self._scanned]
+            except IndexError:  # a task whose rows are a fixed list: no candidate past its size
+                break
+            self._scanned, dry = self._scanned + 1, dry + 1
+            if held_out(entry["question"]) and entry["question"] not in seen:
+                seen.add(entry["question"])
+                self._held.append(entry)
+                dry = 0
+        if len(self._held) > i:
+            return self._held[i]
+        raise ReasoningTaskError(
+            f"reasoning-gym task {self.task!r} with config {self.config}: the held-out split has "
+            f"{len(self._held)} distinct questions in {self._scanned} candidates, fewer than data.val_size "
+            f"{self.size}; lower data.val_size or widen the task's config")
+
 
 def sample_rows(task: str, config: Mapping[str, Any], *, seed: int, size: int, split: Split,
                 sample: int = 4) -> list[dict[str, Any]]:
-    """The first ``sample`` rows: what ``flowrl validate`` reads to check the prompts against a tokenizer."""
+    """The first ``sample`` rows: what ``flowrl validate`` reads to check the prompts against a tokenizer.
+    For the held-out split it also finds the last row, so a task with fewer distinct held-out questions
+    than ``size`` is refused before a run reaches its first validation."""
     rows = ReasoningGymRows(task, config, seed=seed, size=size, split=split)
+    if split == "val":
+        rows[size - 1]
     return [rows[i] for i in range(min(sample, size))]
