@@ -38,7 +38,7 @@ def test_rows_follow_verls_schema_and_the_held_out_split_shares_no_question(task
     assert ReasoningGymRows(task, config, seed=4, size=160)[5] != row
     train_questions = {train[i]["extra_info"]["question"] for i in range(len(train))}
     val_questions = {val[i]["extra_info"]["question"] for i in range(len(val))}
-    assert len(val_questions) > 20 and not train_questions & val_questions
+    assert len(val_questions) == len(val) and not train_questions & val_questions  # a score never repeats one
     assert all(held_out(q) for q in val_questions) and not any(held_out(q) for q in train_questions)
 
 
@@ -117,6 +117,21 @@ def test_validate_names_an_unknown_task_with_close_matches_and_a_bad_option(tmp_
     assert result.exit_code == 1 and "max_termz" in result.output and "max_terms" in result.output
     result = CliRunner().invoke(app, ["validate", str(_graph(tmp_path, "chain_sum", "{max_terms: 3}"))])
     assert result.exit_code == 0, result.output
+
+
+@SMOL
+def test_a_task_with_too_few_held_out_questions_is_refused_by_validate_with_their_count(tmp_path):
+    """One-digit sums have about 200 questions, a sixteenth of them held out: 128 distinct validation
+    prompts cannot be had, and validate says so before a run reaches its first validation."""
+    narrow = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+", "-"],
+              "allow_parentheses": False, "allow_negation": False}
+    rows = ReasoningGymRows("basic_arithmetic", narrow, seed=0, size=128, split="val")
+    questions = [rows[i]["extra_info"]["question"] for i in range(8)]
+    assert len(set(questions)) == 8
+    with pytest.raises(ValueError, match=r"held-out split has \d+ distinct questions"):
+        rows[127]
+    result = CliRunner().invoke(app, ["validate", str(_graph(tmp_path, "basic_arithmetic", str(narrow)))])
+    assert result.exit_code == 1 and "data.val_size" in " ".join(result.output.split())
 
 
 def _graph(tmp_path, task: str, config: str):
