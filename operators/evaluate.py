@@ -33,8 +33,8 @@ import torch
 from flowrl.errors import ConfigError
 from flowrl.graph import Graph, make_source
 from flowrl.graph.registry import source_kind
-from operators.models.export import StateDictAdapter
-from operators.models.loading import load_model
+from operators.models.export import role_model
+from operators.models.lora import is_lora
 from operators.rewards import compute_scores
 from operators.rollout.hf_engine import HFRolloutEngine
 
@@ -117,17 +117,10 @@ def _scoring_nodes(graph: Graph) -> tuple[Any, Any]:
 
 
 def _policy(graph: Graph, role: str, weights: Mapping[str, torch.Tensor] | None, where: str):
-    roles = graph.config.dump()["roles"]
-    if role not in roles:
-        raise EvalError(f"{where}: the graph has no role {role!r}; roles: {', '.join(sorted(roles))} (pass --role)")
-    cfg = roles[role]
-    cfg = roles.get(cfg["from"], cfg) if cfg.get("from") else cfg
-    model, tokenizer = load_model(cfg.get("model", "builtin:tiny"), dtype=cfg.get("dtype", "float32"))
-    if weights is not None:
-        fit = model.load_state_dict(StateDictAdapter(model).to_hf(dict(weights)), strict=False)
-        if fit.missing_keys or fit.unexpected_keys:
-            raise EvalError(f"{where}: the weights of role {role!r} do not fit model {cfg.get('model')!r} "
-                            f"({len(fit.missing_keys)} missing, {len(fit.unexpected_keys)} unexpected tensors)")
+    model, tokenizer, _ = role_model(graph.config.dump()["roles"], role, None if weights is None else dict(weights),
+                                     where, error=EvalError)
+    if is_lora(model):  # one matrix a layer generates faster than a base and its adapters
+        model = model.merge_and_unload()
     return model.eval(), tokenizer
 
 

@@ -60,6 +60,7 @@ case "${1:-install}" in
   test)
     install
     # One torch thread, as for the main suite; the vLLM CPU backend reads its own.
-    OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind "$PY" -m pytest tests/test_vllm_engine.py -p no:cacheprovider ;;
+    OMP_NUM_THREADS=1 VLLM_CPU_OMP_THREADS_BIND=nobind "$PY" -m pytest tests/test_vllm_engine.py \
+      tests/test_lora.py::test_a_lora_actor_pushes_merged_weights_into_vllm_and_the_check_bites -p no:cacheprovider ;;
   *) echo "usage: $0 [install|test|lock]" >&2; exit 2 ;;
 esac

@@ -220,6 +220,23 @@ def test_export_writes_a_merged_model_and_a_peft_adapter(runs, tmp_path):
     assert torch.equal(adapted.generate(input_ids=prompts, **greedy), expected)
 
 
+def test_eval_scores_a_lora_checkpoint_as_the_plain_model_with_the_adapters_merged_in(runs):
+    """``flowrl eval`` of a LoRA run puts the checkpoint's adapters on the base; its scores equal those of
+    the plain graph (no lora) given the merged weights, and differ from the base's."""
+    from operators.evaluate import evaluate
+
+    out = runner.invoke(app, ["eval", str(runs / "full"), "--json", "--prompts", "16"], catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    scored = json.loads(out.output)
+    state, _, _ = CheckpointStore.of_run(runs / "full").read_role("actor", 4)
+    policy = lora_actor()
+    policy.load_state_dict(state)
+    merged = dict(merged_weights(policy.model))
+    plain = load_graph("ppo", overrides={k: v for k, v in TINY.items() if k != "roles.actor.lora"})
+    assert evaluate(plain, merged, size=16).score == pytest.approx(scored["score"], abs=0)
+    assert evaluate(plain, None, size=16).score != scored["score"]
+
+
 # ---------------------------------------------------------------- FSDP2 on two ranks
 
 

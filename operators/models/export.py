@@ -37,7 +37,7 @@ from flowrl.errors import ConfigError
 from operators.data.multimodal import load_processor
 from operators.models.fsdp import tied_parameters
 from operators.models.loading import load_model, save_model
-from operators.models.lora import LoraConfig, add_adapters
+from operators.models.lora import LoraConfig, add_adapters, is_lora
 
 #: where, inside an export of a LoRA role, its adapters go (peft's format)
 ADAPTER_DIR = "adapter"
@@ -86,9 +86,26 @@ def export_hf(weights: dict[str, torch.Tensor], graph: dict[str, Any], out_dir: 
     """Write ``role``'s model with ``weights`` (its checkpointed model state) as a HF directory
     ``out_dir``; ``graph``: the config the checkpoint belongs to; ``where``: named in errors."""
     roles = graph.get("roles") or {}
+    model, tokenizer, spec = role_model(roles, role, weights, where)
+    if is_lora(model):
+        model.save_pretrained(Path(out_dir) / ADAPTER_DIR)
+        model = model.merge_and_unload()
+    out = save_model(model, with_training_bos(tokenizer), out_dir)
+    processor = load_processor(spec)
+    if processor is not None:  # image prompts go through it: its tokenizer as the prompts were encoded
+        processor.save_pretrained(out)
+    return out
+
+
+def role_model(roles: dict[str, Any], role: str, weights: dict[str, torch.Tensor] | None,
+               where: str | Path = "the checkpoint", error: type[Exception] = ExportError) -> tuple[Any, Any, str]:
+    """``(model, tokenizer, model spec)`` of ``role`` of a graph's ``roles`` (its config, dumped) with
+    ``weights`` (its checkpointed model state; None: the weights it starts from). A role trained with
+    LoRA is its base with the adapters put on (a peft model): its checkpoint holds the adapters only.
+    Weights that do not fit raise ``error`` naming ``where``, the role and what does not fit."""
     if role not in roles:
-        raise ExportError(f"{where}: the graph has no role {role!r}; roles: {', '.join(sorted(roles)) or 'none'} "
-                          f"(pass --role)")
+        raise error(f"{where}: the graph has no role {role!r}; roles: {', '.join(sorted(roles)) or 'none'} "
+                    f"(pass --role)")
     cfg = roles[role]
     source = cfg.get("from")
     spec_cfg = roles.get(source, cfg) if source else cfg
@@ -97,12 +114,14 @@ def export_hf(weights: dict[str, torch.Tensor], graph: dict[str, Any], out_dir: 
     lora = spec_cfg.get("lora") if not cfg.get("frozen") else None
     if lora is not None:  # the checkpoint holds the adapters; the base is the model the graph names
         model = add_adapters(model, LoraConfig(**lora), seed=0)
+    if weights is None:
+        return model, tokenizer, spec
     try:
-        fit = model.load_state_dict(StateDictAdapter(model).to_hf(weights), strict=False)
+        fit = model.load_state_dict(StateDictAdapter(model).to_hf(dict(weights)), strict=False)
     except RuntimeError as err:  # a tensor of another shape: torch lists each one below its header line
         details = [line.strip() for line in str(err).splitlines()[1:] if line.strip()]
-        raise ExportError(f"{where}: the weights of role {role!r} do not fit model {spec!r}: "
-                          f"{_some(details, 'mismatch')}") from None
+        raise error(f"{where}: the weights of role {role!r} do not fit model {spec!r}: "
+                    f"{_some(details, 'mismatch')}") from None
     missing = [k for k in fit.missing_keys if lora is None or ".lora_" in k]
     if missing or fit.unexpected_keys:
         parts = []
@@ -110,15 +129,8 @@ def export_hf(weights: dict[str, torch.Tensor], graph: dict[str, Any], out_dir: 
             parts.append(f"the model has {_some(missing, 'tensor')} the checkpoint lacks")
         if fit.unexpected_keys:
             parts.append(f"the checkpoint has {_some(fit.unexpected_keys, 'tensor')} the model lacks")
-        raise ExportError(f"{where}: the weights of role {role!r} do not fit model {spec!r}: {'; '.join(parts)}")
-    if lora is not None:
-        model.save_pretrained(Path(out_dir) / ADAPTER_DIR)
-        model = model.merge_and_unload()
-    out = save_model(model, with_training_bos(tokenizer), out_dir)
-    processor = load_processor(spec)
-    if processor is not None:  # image prompts go through it: its tokenizer as the prompts were encoded
-        processor.save_pretrained(out)
-    return out
+        raise error(f"{where}: the weights of role {role!r} do not fit model {spec!r}: {'; '.join(parts)}")
+    return model, tokenizer, spec
 
 
 #: the model head each role kind trains (``load_model``'s ``head``); any other kind is a causal LM
