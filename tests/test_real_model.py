@@ -203,3 +203,22 @@ def test_the_demo_runs_two_steps_and_eval_scores_its_checkpoint(tmp_path):
     assert evals[0] == evals[1] and evals[0]["prompts"] == 8
     assert 0.0 <= evals[0]["pass_at_1"] <= 1.0
     assert evals[0]["score"] == pytest.approx(rows[-1]["val/reward/mean"], abs=1e-6)
+    # the export (adapters merged) generates what flowrl's policy at that checkpoint generates
+    result = CliRunner().invoke(app, ["export", str(tmp_path / "run"), str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    from flowrl.store.checkpoint import CheckpointStore
+    from operators.models.export import role_model
+
+    state, meta, _ = CheckpointStore.of_run(tmp_path / "run").read_role("actor", 2)
+    policy, tokenizer, _ = role_model(meta["graph"]["roles"], "actor", state["model"])
+    policy = policy.merge_and_unload().eval()
+    exported = hf("AutoModelForCausalLM").from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    prompts, mask = _chat(tokenizer, ["Calculate 43 + 59.", "Calculate 7 + 91.", "Calculate 22 + 45.",
+                                      "What is 17 + 25?"])
+    engine = HFRolloutEngine(policy, tokenizer, seed=0)
+    ours = engine.generate(prompts, mask, greedy=True, max_new_tokens=16)["responses"]
+    stops = sorted(int(t) for t in engine.stop_token_ids)
+    with torch.no_grad():
+        theirs = exported.generate(input_ids=prompts, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                                   eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)[:, prompts.shape[1]:]
+    assert [_until_stop(r.tolist(), stops) for r in ours] == [_until_stop(r.tolist(), stops) for r in theirs]

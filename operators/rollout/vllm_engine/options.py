@@ -50,7 +50,8 @@ class VLLMOptions(BaseModel):
         None, ge=16, description="KV-cache size in MiB (on CPU, where it is all vLLM allocates for it); "
         "none: 1024 on CPU, gpu_memory_utilization on a GPU")
     enforce_eager: bool = Field(True, description="no CUDA graphs / torch.compile: starts in seconds")
-    max_model_len: int | None = Field(None, ge=8, description="none: the model's max_position_embeddings")
+    max_model_len: int | None = Field(None, ge=8, description="none: the model's max_position_embeddings, or "
+                                                               "the tokens kv_cache_mib holds where fewer")
     max_num_seqs: int | None = Field(
         None, ge=1, description="requests decoded together; none: as many as the KV cache holds at full length, "
         "at least 256, so a rollout's B·n samples run in one wave")
