@@ -51,7 +51,12 @@ def prepare(out: Path) -> None:
     (out / "base.txt").write_text(str(_check_dir(spec)))
 
 
+#: the generation compared (greedy, through the adapters against on merged weights)
+GEN_PROMPTS, GEN_TOKENS = 16, 32
+
+
 def measure(out: Path, rounds: int = 3) -> None:
+    import torch
     from safetensors.torch import load_file
     from vllm import LLM, SamplingParams
     from vllm.lora.request import LoRARequest
@@ -82,7 +87,15 @@ def measure(out: Path, rounds: int = 3) -> None:
         llm.generate(prompt, one, lora_request=request, use_tqdm=False)
         again = time.perf_counter() - start
         adapter_s.append(first - again)
-    print(json.dumps({"enable_lora": "works", "adapter_push_s": adapter_s}), flush=True)
+    questions = [f"Calculate {a} + {b}." for a, b in zip(range(3, 99, 6), range(5, 85, 5))][:GEN_PROMPTS]
+    gen = SamplingParams(max_tokens=GEN_TOKENS, temperature=0.0)
+    lora_gen_s = []
+    for _ in range(rounds):  # generation through the adapters (vLLM's LoRA kernels on every step): tokens/s
+        start = time.perf_counter()
+        outs = llm.generate(questions, gen, lora_request=request, use_tqdm=False)
+        lora_gen_s.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
+    print(json.dumps({"enable_lora": "works", "adapter_push_s": adapter_s, "lora_generate_tokens_per_s": lora_gen_s}),
+          flush=True)
     del llm
     import gc
 
@@ -98,7 +111,23 @@ def measure(out: Path, rounds: int = 3) -> None:
         start = time.perf_counter()
         engine.update_weights(merged, version=i + 1)
         push_s.append(time.perf_counter() - start)
+    from operators.rollout import SamplingParams as FlowrlSampling
+
+    ids = [tok(q)["input_ids"] for q in questions]
+    width = max(len(x) for x in ids)
+    prompts = torch.zeros(len(ids), width, dtype=torch.long)
+    mask = torch.zeros_like(prompts)
+    for i, row in enumerate(ids):
+        prompts[i, width - len(row):], mask[i, width - len(row):] = torch.tensor(row), 1
+    merged_gen_s = []
+    for _ in range(rounds):  # the same prompts on the merged weights (no LoRA kernels)
+        start = time.perf_counter()
+        done = engine.generate(prompts, mask, FlowrlSampling(greedy=True, max_new_tokens=GEN_TOKENS))
+        merged_gen_s.append(float(done["response_mask"].sum()) / (time.perf_counter() - start))
     engine.shutdown()
+    print(json.dumps({"lora_generate_tokens_per_s": statistics.median(lora_gen_s),
+                      "merged_generate_tokens_per_s": statistics.median(merged_gen_s), "prompts": len(questions),
+                      "max_tokens": GEN_TOKENS}), flush=True)
     mib = sum(t.numel() * t.element_size() for t in merged.values()) / 2**20
     adapter_mib = sum(p.stat().st_size for p in (out / "adapter").iterdir()) / 2**20
     print(json.dumps({"merged_push_s": push_s, "merged_mib": mib, "adapter_dir_mib": adapter_mib,
