@@ -117,8 +117,7 @@ def _scoring_nodes(graph: Graph) -> tuple[Any, Any]:
 
 
 def _policy(graph: Graph, role: str, weights: Mapping[str, torch.Tensor] | None, where: str):
-    model, tokenizer, _ = role_model(graph.config.dump()["roles"], role, None if weights is None else dict(weights),
-                                     where, error=EvalError)
+    model, tokenizer, _ = role_model(graph.config.dump()["roles"], role, weights, where, error=EvalError)
     if is_lora(model):  # one matrix a layer generates faster than a base and its adapters
         model = model.merge_and_unload()
     return model.eval(), tokenizer

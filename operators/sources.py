@@ -159,10 +159,12 @@ def _data_source_fits(graph):
             location=tok_at, fix="save the tokenizer with one (tokenizer.chat_template = ...; "
                                  "tokenizer.save_pretrained(path)), or set data.tokenizer to one that has it")
     vocab = vocabulary(spec)
-    gym = isinstance(cfg, ReasoningGymConfig)  # its held-out split comes from the source itself
-    for key, source_spec in (("source", cfg.source), ("val_source", cfg.val_source or (cfg.source if gym else None))):
+    gym = isinstance(cfg, ReasoningGymConfig)
+    held_out = cfg.val_source or (cfg.source if gym else None)  # a reasoning-gym source holds its own out
+    for key, source_spec in (("source", cfg.source), ("val_source", held_out)):
         if source_spec is None:
             continue
+        # a held-out split too small for val_size is said at val_size
         where = graph.locate("data", key if key == "source" or cfg.val_source else "val_size")
         try:
             if gym:

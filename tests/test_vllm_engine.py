@@ -394,18 +394,14 @@ def test_smollm2_greedy_tokens_of_vllm_equal_transformers_generate_and_the_hf_en
         pytest.skip(f"needs {', '.join(SMOL_MISSING)} (bash scripts/vllm_env.sh install puts them in the vLLM venv)")
     from operators.models import gguf_model_dir
     from operators.models.hf import hf
+    from tests.test_real_model import _chat, _until_stop, partings
 
     spec = "builtin:smollm2-135m"
     model, tokenizer = load_model(spec)
     model.eval()
     reference = hf("AutoModelForCausalLM").from_pretrained(str(gguf_model_dir(spec)), dtype=torch.float32).eval()
     questions = [f"What is {a} + {b}?" for a, b in zip(range(3, 99, 6), range(5, 85, 5))][:16]
-    rows = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                          tokenize=True, return_dict=True)["input_ids"] for q in questions]
-    width = max(len(r) for r in rows)
-    prompts, mask = torch.full((16, width), tokenizer.pad_token_id), torch.zeros(16, width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        prompts[i, width - len(r):], mask[i, width - len(r):] = torch.tensor(r), 1
+    prompts, mask = _chat(tokenizer, questions)
     engine = build_rollout_engine("vllm", EngineSource(model, tokenizer, spec, seed=0),
                                   {"kv_cache_mib": 256, "max_num_seqs": 16})  # holds ~5,000 of its 8,192 tokens
     try:
@@ -417,22 +413,10 @@ def test_smollm2_greedy_tokens_of_vllm_equal_transformers_generate_and_the_hf_en
     hf_engine = HFRolloutEngine(model, tokenizer, seed=0).generate(prompts, mask, greedy)["responses"]
     with torch.no_grad():
         generated = reference.generate(input_ids=prompts, attention_mask=mask, do_sample=False, max_new_tokens=32,
-                                       eos_token_id=stops, pad_token_id=tokenizer.pad_token_id)[:, width:]
-
-    def until_stop(tokens: list[int]) -> list[int]:
-        return next((tokens[:j + 1] for j, t in enumerate(tokens) if t in stops), tokens)
-
-    parted = []
-    for name, theirs in (("generate", generated), ("hf engine", hf_engine)):
-        for i in range(16):
-            a, b = until_stop(ours[i].tolist()), until_stop(theirs[i].tolist())
-            if a == b:
-                continue
-            t = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            row = torch.cat([prompts[i][mask[i].bool()], torch.tensor(a[:t], dtype=torch.long)]).unsqueeze(0)
-            with torch.no_grad():
-                top = reference(input_ids=row).logits[0, -1].log_softmax(-1).topk(2).values
-            parted.append((name, i, t, float(top[0] - top[1])))
+                                       eos_token_id=stops,
+                                       pad_token_id=tokenizer.pad_token_id)[:, prompts.shape[1]:]
+    parted = [(name, *p) for name, theirs in (("generate", generated), ("hf engine", hf_engine))
+              for p in partings(reference, prompts, mask, ours, theirs, stops)]
     assert all(gap < 1e-4 for *_, gap in parted), parted  # each parting is a near-tie
     assert len(parted) <= 4, parted  # and rare: more would be a real difference
-    assert len({tuple(until_stop(r.tolist())) for r in ours}) > 8  # 16 answers, not one repeated
+    assert len({tuple(_until_stop(r.tolist(), stops)) for r in ours}) > 8  # 16 answers, not one repeated

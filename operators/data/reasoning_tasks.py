@@ -152,6 +152,7 @@ class ReasoningGymRows(Sequence[dict]):
         self.size, self.split, self.format_score = size, split, format_score
         self._data = task_dataset(task, json.dumps(self.config, sort_keys=True), _stream_seed(seed, split), size)
         self._held: list[Mapping[str, Any]] = []  # the held-out split's rows found so far, in order
+        self._held_questions: set[str] = set()  # their questions
         self._scanned = 0  # candidates of the stream read to find them
 
     def __len__(self) -> int:
@@ -193,7 +194,6 @@ class ReasoningGymRows(Sequence[dict]):
 
     def _held_out_entry(self, i: int) -> Mapping[str, Any]:
         """Row ``i`` of the held-out split: the ``i``-th distinct held-out question of the stream."""
-        seen = {entry["question"] for entry in self._held}
         dry = 0  # candidates since the last new question: a task out of questions stops here, not at the cap
         while len(self._held) <= i and self._scanned < MAX_ATTEMPTS * self.size and dry < MAX_DRY:
             try:
@@ -201,8 +201,8 @@ class ReasoningGymRows(Sequence[dict]):
             except IndexError:  # a task whose rows are a fixed list: no candidate past its size
                 break
             self._scanned, dry = self._scanned + 1, dry + 1
-            if held_out(entry["question"]) and entry["question"] not in seen:
-                seen.add(entry["question"])
+            if held_out(entry["question"]) and entry["question"] not in self._held_questions:
+                self._held_questions.add(entry["question"])
                 self._held.append(entry)
                 dry = 0
         if len(self._held) > i:
@@ -220,5 +220,5 @@ def sample_rows(task: str, config: Mapping[str, Any], *, seed: int, size: int, s
     than ``size`` is refused before a run reaches its first validation."""
     rows = ReasoningGymRows(task, config, seed=seed, size=size, split=split)
     if split == "val":
-        rows[size - 1]
+        rows[size - 1]  # raises ReasoningTaskError when the split holds fewer questions
     return [rows[i] for i in range(min(sample, size))]

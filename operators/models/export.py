@@ -29,7 +29,7 @@ Example::
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -97,7 +97,7 @@ def export_hf(weights: dict[str, torch.Tensor], graph: dict[str, Any], out_dir: 
     return out
 
 
-def role_model(roles: dict[str, Any], role: str, weights: dict[str, torch.Tensor] | None,
+def role_model(roles: dict[str, Any], role: str, weights: Mapping[str, torch.Tensor] | None,
                where: str | Path = "the checkpoint", error: type[Exception] = ExportError) -> tuple[Any, Any, str]:
     """``(model, tokenizer, model spec)`` of ``role`` of a graph's ``roles`` (its config, dumped) with
     ``weights`` (its checkpointed model state; None: the weights it starts from). A role trained with

@@ -63,7 +63,7 @@ from operators.rollout.base import RolloutEngine, SamplingParams, call_seeds, pa
 from operators.rollout.engines import EngineSource, register_rollout_engine
 from operators.rollout.vllm_engine.driver import Driver
 from operators.rollout.vllm_engine.options import (DTYPES, VLLMOptions, engine_process, import_vllm,
-                                                   kv_bytes_per_token, max_num_seqs)
+                                                   max_model_len, max_num_seqs)
 from operators.rollout.vllm_engine.weights import (probe_forward, probe_tokens, push_buckets, save_for_vllm,
                                                    transport)
 
@@ -127,13 +127,8 @@ class VLLMRolloutEngine(RolloutEngine):
         self.dtype = DTYPES[opts.dtype] if opts.dtype else DTYPES.get(
             str(config.get("dtype") or config.get("torch_dtype") or "float32"), "float32")
         kv_mib = opts.kv_cache_mib if opts.kv_cache_mib is not None else (1024 if self.on_cpu else None)
-        model_len = opts.max_model_len or int(config.get("max_position_embeddings") or 2048)
-        # vLLM refuses a KV cache that cannot hold one sequence of the model's full length: then the length
-        # is what 7/8 of the cache holds (vLLM keeps a few blocks of it for itself)
-        held = None if kv_mib is None else kv_mib * 2**20 * 7 // 8 // kv_bytes_per_token(config, self.dtype) // 16 * 16
-        capped = opts.max_model_len is None and held is not None and held < model_len
-        if capped:
-            model_len = held
+        max_len = max_model_len(opts, config, self.dtype, kv_mib)
+        model_len = max_len or int(config.get("max_position_embeddings") or 2048)
         self.max_num_seqs = max_num_seqs(opts, config, self.dtype, kv_mib, model_len)
         engine_args = vllm.EngineArgs(
             model=str(self.model_dir),
@@ -141,7 +136,7 @@ class VLLMRolloutEngine(RolloutEngine):
             dtype=self.dtype,
             seed=seed,
             enforce_eager=opts.enforce_eager,
-            max_model_len=model_len if capped else opts.max_model_len,
+            max_model_len=max_len,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max(2048, model_len, self.max_num_seqs),
             enable_prefix_caching=opts.enable_prefix_caching,

@@ -106,7 +106,6 @@ def check_install_path(package_dir: Path, *, on_cpu: bool) -> None:
 
         >>> check_install_path(Path("/opt/my venv/lib/vllm"), on_cpu=True)
         Traceback (most recent call last):
-        ...
         operators.rollout.vllm_engine.options.VLLMInstallError: vLLM's CPU build is installed under '/opt/my venv/lib/vllm', ...
     """
     if on_cpu and " " in str(package_dir):
@@ -133,6 +132,22 @@ def max_num_seqs(options: VLLMOptions, config: dict[str, Any], dtype: str, kv_mi
     if kv_mib is None:
         return 256  # a GPU's cache is sized by vLLM after start: its own default
     return min(1024, max(256, kv_mib * 2**20 // kv_bytes_per_token(config, dtype) // max_model_len))
+
+
+def max_model_len(options: VLLMOptions, config: dict[str, Any], dtype: str, kv_mib: int | None) -> int | None:
+    """The ``max_model_len`` vLLM is given: the option; else none (vLLM takes the model's
+    ``max_position_embeddings``), unless a KV cache of ``kv_mib`` cannot hold one sequence that long,
+    which vLLM refuses: then the tokens 7/8 of it holds (vLLM keeps a few blocks for itself).
+
+        >>> llama = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+        ...          "hidden_size": 576, "max_position_embeddings": 8192}       # SmolLM2-135M
+        >>> [max_model_len(VLLMOptions(), llama, "float32", kv_mib) for kv_mib in (256, 1024)]
+        [5088, None]
+    """
+    if options.max_model_len is not None or kv_mib is None:
+        return options.max_model_len
+    held = kv_mib * 2**20 * 7 // 8 // kv_bytes_per_token(config, dtype) // 16 * 16
+    return held if held < int(config.get("max_position_embeddings") or 2048) else None
 
 
 def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int:
