@@ -56,6 +56,7 @@ def engine():
     model, tok = sharp_model(seed=0)
     engine = build_rollout_engine("vllm", EngineSource(model, tok, "builtin:tiny", seed=0),
                                   {"kv_cache_mib": 64, "max_num_seqs": 64, "weight_bucket_mb": 0.5})
+    engine.first_fingerprint = engine.weights_fingerprint()  # the weights as vLLM's own loader put them
     yield engine
     engine.shutdown()
 
@@ -144,7 +145,7 @@ def test_a_push_that_drops_one_tensor_fails_naming_it_and_the_weight_check_catch
     sabotaged = {k: v for k, v in new_model.state_dict().items() if k != lost}
     with pytest.raises(WeightSyncError, match=lost):
         engine.update_weights(sabotaged, version=1)
-    # vLLM left the lost tensor uninitialised: the engine refuses to sample from it
+    # the lost tensor is the old one (in place) or uninitialised (layer-wise): the engine refuses to sample
     ids, mask = left_padded(PROMPTS)
     with pytest.raises(WeightSyncError, match="push the full weights"):
         engine.generate(ids, mask, SamplingParams(greedy=True, max_new_tokens=4))
@@ -155,6 +156,30 @@ def test_a_push_that_drops_one_tensor_fails_naming_it_and_the_weight_check_catch
     engine.check_weights(new_model)
     engine.update_weights(model.state_dict(), version=0)
     engine.check_weights(model)
+
+
+def test_an_in_place_push_computes_exactly_what_vllm_layerwise_reload_and_its_first_load_do(engine):
+    """The default CPU push (copy into the parameters, re-pack the linear layers) against vLLM's
+    layer-wise reload of the same weights and its own load at the start: the same log-probs to the
+    bit and the same greedy tokens."""
+    model, _ = sharp_model(seed=0)
+    new_model, _ = sharp_model(seed=3)
+    ids, mask = left_padded(PROMPTS)
+    params = SamplingParams(greedy=True, max_new_tokens=12)
+    options = engine.options
+    try:
+        pushed = engine.update_weights(new_model.state_dict(), version=1)
+        in_place = engine.weights_fingerprint(), engine.generate(ids, mask, params)
+        engine.options = options.model_copy(update={"push_in_place": False})
+        reloaded = engine.update_weights(new_model.state_dict(), version=2)
+        assert (pushed["rollout/weight_push_in_place"], reloaded["rollout/weight_push_in_place"]) == (1.0, 0.0)
+        assert torch.equal(in_place[0], engine.weights_fingerprint())
+        assert_same_responses(in_place[1], engine.generate(ids, mask, params))
+        assert engine.check_weights(new_model)["rollout/weight_check_max_diff"] < 1e-4
+    finally:
+        engine.options = options
+        engine.update_weights(model.state_dict(), version=0)  # in place again, after a layer-wise reload
+    assert torch.equal(engine.weights_fingerprint(), engine.first_fingerprint)  # as vLLM loaded it at start
 
 
 def test_requests_interleave_and_equal_the_batched_call(engine):
@@ -339,11 +364,13 @@ def test_a_run_on_vllm_trains_and_its_engine_processes_end_with_it(tmp_path, cap
     before = engines()
     graph = load_graph("grpo", overrides={"roles.actor.rollout.engine": "vllm", "data.batch_size": 4,
                                           "roles.actor.rollout.engine_kwargs.kv_cache_mib": 64,
+                                          "roles.actor.rollout.engine_kwargs.push_in_place": False,
                                           "nodes.generate.n": 2, "trainer.val_every": 0,
                                           "trainer.checkpoint_every": 0})
     rows = Trainer(graph, backend="local", steps=2, out=tmp_path, say=lambda _: None).run()
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["rollout/weight_check_max_diff"] <= 1e-3 for r in rows)
+    assert all(r["rollout/weight_push_in_place"] == 0.0 for r in rows)  # vLLM's layer-wise reload, as asked
     assert rows[-1]["rollout/engine_rss_mb"] > 50
     left = [psutil.Process(pid) for pid in engines() - before]
     _, alive = psutil.wait_procs(left, timeout=30)  # vLLM's engine-core and worker processes end

@@ -270,15 +270,16 @@ class VLLMRolloutEngine(RolloutEngine):
 
         A push that leaves out a name of :attr:`weight_names` raises
         :class:`WeightSyncError` naming it, and the engine refuses to generate
-        until a complete push: vLLM's layer-wise reload builds a layer that got
-        some of its tensors afresh, so a tensor it was not sent is left as
-        uninitialised memory (garbage, NaN logits: greedy decoding then returns
-        token 0, the pad id, in every position).
+        until a complete push: loaded in place, a tensor it was not sent keeps
+        the previous version; vLLM's layer-wise reload builds a layer that got
+        some of its tensors afresh, so there it is left as uninitialised memory
+        (garbage, NaN logits: greedy decoding then returns token 0, the pad id,
+        in every position).
         """
         bucket_bytes = int((bucket_mb or self.options.weight_bucket_mb) * 2**20)
         self._check_awake()
         start = time.perf_counter()
-        loaded, nbytes, buckets = self.driver.call(lambda: self._push(weights, bucket_bytes))
+        loaded, nbytes, buckets, in_place = self.driver.call(lambda: self._push(weights, bucket_bytes))
         seconds = time.perf_counter() - start
         self.weight_version = int(version)
         self._pushes += 1
@@ -289,17 +290,19 @@ class VLLMRolloutEngine(RolloutEngine):
             raise WeightSyncError(
                 f"weight check after push (version {self.weight_version}): the push left out "
                 f"{len(self._incomplete)} of the model's {len(self.weight_names)} tensors "
-                f"({', '.join(self._incomplete[:3])}{' …' if len(self._incomplete) > 3 else ''}); vLLM leaves such a "
-                f"tensor uninitialised, so the engine refuses to generate until a push brings every tensor")
+                f"({', '.join(self._incomplete[:3])}{' …' if len(self._incomplete) > 3 else ''}); such a tensor "
+                f"{'keeps its previous version' if in_place else 'is left uninitialised by vLLM layer-wise reload'}, "
+                f"so the engine refuses to generate until a push brings every tensor")
         return {"rollout/weight_push_s": seconds, "rollout/weight_push_mb": nbytes / 2**20,
-                "rollout/weight_push_buckets": float(buckets), "rollout/weight_push_tensors": float(len(loaded))}
+                "rollout/weight_push_buckets": float(buckets), "rollout/weight_push_tensors": float(len(loaded)),
+                "rollout/weight_push_in_place": float(in_place)}
 
-    def _push(self, weights: Any, bucket_bytes: int) -> tuple[list[str], int, int]:
+    def _push(self, weights: Any, bucket_bytes: int) -> tuple[list[str], int, int, bool]:
         """On the driver thread, nothing in flight."""
         engine = self.driver.engine
         try:
             return push_buckets(lambda method, *args: engine.collective_rpc(method, args=args), weights,
-                                bucket_bytes, self.transport)
+                                bucket_bytes, self.transport, in_place=self.options.push_in_place)
         finally:  # even after a failed push: no prompt may reuse KV computed before it
             engine.reset_prefix_cache()
 

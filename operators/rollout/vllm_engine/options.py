@@ -57,6 +57,10 @@ class VLLMOptions(BaseModel):
         "at least 256, so a rollout's B·n samples run in one wave")
     enable_prefix_caching: bool = Field(True, description="the n samples of a prompt share its prefill")
     weight_bucket_mb: float = Field(64.0, gt=0, description="most MiB of weights handed over in one call of a push")
+    push_in_place: bool = Field(
+        True, description="CPU, unquantized: a push copies into the parameters and re-packs the linear layers "
+        "(the engine keeps an unpacked copy of the linear weights for it); false: vLLM's layer-wise reload, "
+        "which rebuilds every layer on each push")
     check_every: int = Field(
         1, ge=1, description="the probe check (the engine's log-probs of a fixed sequence against the trainer's) "
         "runs on the first push and once check_every pushes have gone unprobed; the names loaded: every push")

@@ -12,9 +12,17 @@ cheapest way the two sides share (:func:`transport`):
   buffer and the RPC carries its CUDA IPC handle (as verl's bucketed sender
   does); the worker opens it and copies on the device.
 
-On the worker, :class:`WeightSyncExtension` runs one vLLM layer-wise reload over
-all buckets (it also re-packs CPU linear weights), then drops the caches
-derived from the old weights.
+On the worker, :class:`WeightSyncExtension` loads the buckets one of two ways,
+then drops the caches derived from the old weights:
+
+- in place (CPU, an unquantized model): vLLM's loaders copy each tensor into the
+  parameter it belongs to, then each linear layer is re-packed for its CPU
+  kernel. vLLM frees a linear layer's unpacked weight once it is packed, so the
+  first such push gives each one an unpacked copy to load into, kept after
+  (memory: one copy of the linear weights);
+- layer-wise (anything else, or ``push_in_place: false``): vLLM's reload
+  rebuilds each layer from fresh tensors as its last one arrives and processes
+  it, which costs a fixed amount per layer on every push.
 """
 
 from __future__ import annotations
@@ -224,20 +232,30 @@ class WeightSyncExtension:
     weights), drops the caches derived from the old weights and returns the names loaded.
     """
 
-    def flowrl_begin_reload(self) -> None:
+    def flowrl_begin_reload(self, in_place: bool = False) -> str:
+        """Start a push: ``"in_place"`` where the model allows it and ``in_place`` asks, else ``"layerwise"``."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
 
-        with set_current_vllm_config(self.vllm_config):
-            initialize_layerwise_reload(self.model_runner.get_model())
+        model = self.model_runner.get_model()
         self.flowrl_loaded: list[str] = []
+        self.flowrl_repack = in_place_layers(model) if in_place else None
+        if self.flowrl_repack is None:
+            drop_unpacked_copies(model)  # a layer-wise reload after in-place ones: as vLLM left the layers
+        self.flowrl_aliases = tied_aliases(model) if self.flowrl_repack is not None else set()
+        if self.flowrl_repack is not None:
+            return "in_place"
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(model)
+        return "layerwise"
 
     def flowrl_load_tensors(self, bucket: Bucket) -> int:
         """``inproc``: the sender's tensors themselves."""
         from vllm.config import set_current_vllm_config
 
-        with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights(iter(bucket))
+        with set_current_vllm_config(self.vllm_config):  # a tied alias shares its tensor: loaded with it
+            self.model_runner.get_model().load_weights(
+                (name, tensor) for name, tensor in bucket if name not in self.flowrl_aliases)
         self.flowrl_loaded.extend(name for name, _ in bucket)
         return len(bucket)
 
@@ -251,10 +269,14 @@ class WeightSyncExtension:
 
     def flowrl_finish_reload(self) -> list[str]:
         from vllm.config import set_current_vllm_config
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+            if self.flowrl_repack is None:
+                finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+            for layer in self.flowrl_repack or ():  # the packed kernel weights from the loaded ones
+                dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
         runner = self.model_runner
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(runner, reset):
@@ -262,10 +284,78 @@ class WeightSyncExtension:
         return list(self.flowrl_loaded)
 
 
-def push_buckets(rpc: Any, weights: Any, bucket_bytes: int, transport: Transport) -> tuple[list[str], int, int]:
+def in_place_layers(model: torch.nn.Module) -> list[torch.nn.Module] | None:
+    """The layers a CPU push re-packs after loading in place, each with an unpacked weight to load into;
+    ``None`` where a layer needs more than vLLM's CPU GEMM packing after a load (quantized, off CPU).
+
+    The unpacked weight vLLM freed after packing is rebuilt once from the
+    shape and loader vLLM recorded for reloading, and kept.
+    """
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.model_executor.model_loader.reload.layerwise import _get_original_loader, get_layerwise_info
+    from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    layers = []
+    for layer in model.modules():
+        method = getattr(layer, "quant_method", None)
+        if method is None:
+            continue
+        if type(method) not in (UnquantizedLinearMethod, UnquantizedEmbeddingMethod):
+            return None
+        if getattr(layer, "_cpu_skip_gemm_dispatch", False):
+            continue  # computes with torch's linear on the weight itself: loading is all it needs
+        if layer.weight.numel() == 0 and not layer.weight.is_meta:  # freed once packed
+            meta = get_layerwise_info(layer).restore_metadata[0].get("weight")
+            if meta is None:
+                return None
+            with torch.device(layer.weight.device):
+                weight = restore_layer_refs(materialize_meta_tensor(meta), layer)
+            # a layer-wise reload leaves its deferring wrapper on the recorded loader: the loader itself
+            weight.weight_loader = _get_original_loader(weight)
+            weight.requires_grad_(False)
+            layer.register_parameter("weight", weight)
+            layer.flowrl_unpacked_copy = True
+        layers.append(layer)
+    return layers
+
+
+def drop_unpacked_copies(model: torch.nn.Module) -> None:
+    """Free the unpacked weights :func:`in_place_layers` kept, leaving the layers as vLLM packed them."""
+    for layer in model.modules():
+        if getattr(layer, "flowrl_unpacked_copy", False):
+            weight = layer.weight
+            layer.register_parameter("weight", torch.nn.Parameter(
+                torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False))
+            del layer.flowrl_unpacked_copy
+
+
+def tied_aliases(model: torch.nn.Module) -> set[str]:
+    """The names under which ``model`` holds a parameter a second time (a tied ``lm_head.weight``).
+
+    Example::
+
+        >>> head = torch.nn.Linear(2, 3, bias=False)
+        >>> model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(3, 2), "head": head})
+        >>> model["head"].weight = model["embed"].weight
+        >>> tied_aliases(model)
+        {'head.weight'}
+    """
+    first: dict[int, str] = {}
+    return {name for name, param in model.named_parameters(remove_duplicate=False)
+            if first.setdefault(id(param), name) != name}
+
+
+def push_buckets(rpc: Any, weights: Any, bucket_bytes: int, transport: Transport,
+                 in_place: bool = False) -> tuple[list[str], int, int, bool]:
     """One reload over ``weights`` through ``rpc(method, *args)`` (vLLM's ``collective_rpc``):
-    ``(names loaded, bytes, buckets)``."""
-    rpc("flowrl_begin_reload")
+    ``(names loaded, bytes, buckets, whether it loaded in place)``. ``in_place``: load into the
+    parameters where the model allows (:func:`in_place_layers`), else vLLM's layer-wise reload."""
+    way = rpc("flowrl_begin_reload", in_place)[0]
     nbytes = buckets = 0
     for bucket in weight_buckets(weights, bucket_bytes, device=transport == "cuda_ipc"):
         if transport == "inproc":
@@ -278,7 +368,7 @@ def push_buckets(rpc: Any, weights: Any, bucket_bytes: int, transport: Transport
                 rpc("flowrl_load_cuda_ipc", handle, layout)
         nbytes += sum(t.numel() * t.element_size() for _, t in bucket)
         buckets += 1
-    return rpc("flowrl_finish_reload")[0], nbytes, buckets
+    return rpc("flowrl_finish_reload")[0], nbytes, buckets, way == "in_place"
 
 
 def transport(in_process: bool, on_cpu: bool) -> Transport:
