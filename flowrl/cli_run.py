@@ -22,6 +22,7 @@ from typing import Any, Optional
 import typer
 
 from flowrl.cli_io import console, err_console, escape, fail, load_checked
+from flowrl.plan.traits import RAY
 from flowrl.runtime.ray_start import exit_now, prestart
 
 #: the fault switch's environment variable: an alias of ``flowrl run --fault``, read by that command
@@ -63,20 +64,27 @@ def run(
     fault = fault if fault is not None else os.environ.get(FAULT_ENV, "").strip() or None
     # before the runtime's imports: a wrong graph is said at once
     g = load_checked(graph, set_, {"trainer.fault": fault} if fault else None)
-    from flowrl.runtime.backends import BACKENDS
     from flowrl.errors import RuntimeFailure
-    from flowrl.run.trainer import Trainer
     from flowrl.store.rundir import RunDirectory, run_dir_of
-    from visualizer.live import LiveView
+    from flowrl.store.runlog import RUN_LOG
 
-    if backend not in BACKENDS:
-        fail(f"--backend {backend}: not a backend; use one of {', '.join(sorted(BACKENDS))}", 2)
     try:  # what needs no Ray is refused before the run waits on Ray's start
         RunDirectory(run_dir_of(g.config, out)).check(resume=resume, overwrite=overwrite)
     except RuntimeFailure as e:
         err_console.print(f"[bold red]run failed[/] {escape(str(e))}")
         exit_now(1)
         raise typer.Exit(1) from None
+    workers: Any = backend
+    if backend == RAY.name:  # the workers are asked for the moment Ray is up, while the rest below imports
+        from flowrl.runtime.ray_backend import RayBackend
+
+        workers = RayBackend.asked_early(g, address, run_dir_of(g.config, out) / RUN_LOG)
+    from flowrl.runtime.backends import BACKENDS
+    from flowrl.run.trainer import Trainer
+    from visualizer.live import LiveView
+
+    if backend not in BACKENDS:
+        fail(f"--backend {backend}: not a backend; use one of {', '.join(sorted(BACKENDS))}", 2)
     total = steps if steps is not None else g.config.trainer.steps
     trainer = None
     start = time.monotonic()
@@ -86,7 +94,7 @@ def run(
             view.say(f"{g.name}: {total} steps on the {backend} backend → {run_dir_of(g.config, out)}")
             view.wait("starting Ray and asking for the workers" if backend == "ray"
                       else "making the plan and opening the data")
-            trainer = Trainer(g, backend=backend, steps=steps, out=out, address=address, trace=trace,
+            trainer = Trainer(g, backend=workers, steps=steps, out=out, address=address, trace=trace,
                               on_step=view.step, on_progress=view.progress, resume=resume, say=view.say,
                               overwrite=overwrite, history_limit=0, show_startup=verbose, on_wait=view.wait,
                               allow_data_change=allow_data_change)

@@ -71,6 +71,23 @@ def test_a_ray_run_records_each_process_start_in_the_trace_and_prints_it(ray_ses
     assert built["ts"] + built["dur"] <= generate["ts"]
 
 
+def test_the_driver_worker_is_asked_for_with_the_pools_before_the_run_begins(ray_session, tmp_path):
+    """Its process imports flowrl's runtime beside the pool's worker, not after the run has begun."""
+    from flowrl.plan.pools import DRIVER
+
+    trainer = Trainer(load_graph("grpo_async", overrides=TINY), backend="ray", steps=1, out=tmp_path,
+                      say=lambda m: None)  # its reward and advantage run on the driver's worker
+    backend = trainer.runtime.backend
+    deadline = time.monotonic() + 300
+    while not any(s.what == "worker processes asked for" for s in backend.startup_spans()):
+        assert time.monotonic() < deadline, "the workers were never asked for"
+        time.sleep(0.05)
+    assert trainer.runtime.plan.driver and set(backend.actors) == {("gen", 0), ("train", 0), (DRIVER, 0)}
+    trainer.run()
+    built = {(s.who, s.what) for s in backend.startup_spans()}
+    assert {("driver[0]", "flowrl runtime imported"), ("train[0]", "role actor built (actor)")} <= built
+
+
 def test_workers_asked_for_early_end_with_a_run_that_never_starts(ray_session, tmp_path):
     (tmp_path / "metrics.jsonl").write_text("{}\n")  # another run's: this one is refused before its first step
     trainer = Trainer(load_graph("grpo", overrides=TINY), backend="ray", steps=1, out=tmp_path, say=lambda m: None)

@@ -54,6 +54,10 @@ class PoolSpec:
     backend: str = "cpu:gloo,cuda:nccl"  # torch.distributed, per device type (a pool of N > 1)
     timeout_s: float = COLLECTIVE_S  # one collective's limit
 
+    def role_modules(self) -> list[str]:
+        """The modules this pool's roles are built from: what its worker processes import before the plan."""
+        return sorted({rb.factory.__module__ for rb in self.roles if rb.shares is None and rb.factory is not None})
+
 
 def pool_specs(graph: Graph) -> list[PoolSpec]:
     """Every pool of ``graph`` with the role builds of its workers."""

@@ -56,7 +56,7 @@ from flowrl.plan.plancheck import PlanCheck
 from flowrl.recovery.recovery import Recovery
 from flowrl.recovery.watchdog import StuckReport
 from flowrl.run.hooks import Dumps, Fingerprints, MetricsSinks, Records, StartupLines, Timing
-from flowrl.runtime.backend import describe_death
+from flowrl.runtime.backend import Backend, describe_death
 from flowrl.runtime.backends import make_backend, start_early, stop_early
 from flowrl.runtime.scheduler import Runtime
 from flowrl.runtime.steps import StepHook
@@ -77,7 +77,7 @@ class Trainer:
         self,
         graph: Graph,
         *,
-        backend: str = "ray",
+        backend: str | Backend = "ray",
         steps: int | None = None,
         out: str | Path | None = None,
         address: str | None = None,
@@ -92,7 +92,9 @@ class Trainer:
         on_wait: Callable[[str], None] | None = None,
         allow_data_change: bool = False,
     ) -> None:
-        """``show_startup``: after the first step, ``say`` the start-up timeline (``flowrl run -v``);
+        """``backend``: a registered backend's name, or a backend already made (``flowrl run`` makes the Ray
+        one as soon as the graph is checked, so that it asks for the workers the moment Ray is up);
+        ``show_startup``: after the first step, ``say`` the start-up timeline (``flowrl run -v``);
         ``on_wait``: told what the run waits on before its first step (the workers starting, the first step),
         so a long wait is said as it lasts (:class:`visualizer.live.Waits`); ``allow_data_change``: resume
         although the data source changed since the checkpoint (``flowrl run --allow-data-change``; refused
@@ -109,9 +111,12 @@ class Trainer:
         #: one recovery path; a rollback resumes through :meth:`resume`
         self.recovery = Recovery(run=self)
         # the plan carries the validation run when trainer.val_every asks
-        self.runtime = Runtime(graph, backend=make_backend(backend, address, self.log_path), address=address,
+        if isinstance(backend, str):
+            backend = make_backend(backend, address, self.log_path)
+        self.runtime = Runtime(graph, backend=backend, address=address,
                                on_progress=on_progress, stage=self.store.stage, recovery=self.recovery)
-        start_early(self.runtime.backend, self.runtime.plan.pools)  # their imports overlap the rest of this
+        # their imports overlap the rest of this
+        start_early(self.runtime.backend, self.runtime.plan.pools, self.runtime.plan.driver)
         try:
             self.source = make_source(cfg)
             self.val_source = make_source(cfg, split="val") if self.runtime.plan.validation is not None else None

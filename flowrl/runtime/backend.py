@@ -29,13 +29,16 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from flowrl.errors import NodeError, RuntimeFailure, WorkerDiedError
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S
 from flowrl.plan.pools import PoolSpec
 from flowrl.plan.traits import LOCAL, BackendTraits, register_traits
-from flowrl.runtime.worker import Call, NodeEntry
+
+if TYPE_CHECKING:  # the worker's module imports torch and tensordict: the Ray backend asks for
+    # workers before the driver has imported them
+    from flowrl.runtime.worker import Call, NodeEntry
 
 
 class Backend(abc.ABC):

@@ -29,11 +29,12 @@ def make_backend(name: str, address: str | None = None, log_path: Path | None = 
     return made
 
 
-def start_early(made: Backend, pools: list[PoolSpec]) -> None:
-    """Begin starting ``pools``' worker processes before :meth:`Backend.start` where ``made`` can (ray: as
-    soon as Ray is up, so that they import while the driver finishes its own start); elsewhere nothing."""
+def start_early(made: Backend, pools: list[PoolSpec], driver: bool = True) -> None:
+    """Begin starting ``pools``' worker processes (and the driver's, where ``driver``) before
+    :meth:`Backend.start` where ``made`` can (ray: as soon as Ray is up, so that they import while the
+    driver finishes its own start); elsewhere nothing."""
     if isinstance(made, RayBackend):
-        made.prepare(pools)
+        made.prepare(pools, driver)
 
 
 def stop_early(made: Backend) -> None:

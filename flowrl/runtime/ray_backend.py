@@ -12,7 +12,8 @@ import os
 import threading
 import time
 import uuid
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from flowrl.runtime import ray_start
 from flowrl.runtime.backend import Backend, Death, Supervisor, backend, describe_death
@@ -20,11 +21,13 @@ from flowrl.errors import PlacementError, RuntimeFailure
 from flowrl.timeouts import PLACEMENT_S
 from flowrl.runtime.hangs import STACKS_TIMEOUT_S, unanswered
 from flowrl.plan.pools import DRIVER, PoolSpec
-from flowrl.store.runlog import log_offset, warning_notes
+from flowrl.store.runlog import log_offset, quiet_known_warnings, warning_notes
 from flowrl.runtime.timeline import Span, process_start, span
 from flowrl.plan.traits import RAY
-from flowrl.runtime.worker import Call, NodeEntry
-from flowrl.runtime.worker_process import ProcessWorker, role_modules
+
+if TYPE_CHECKING:  # imported where the workers are asked for, on the thread that waits for Ray
+    from flowrl.graph import Graph
+    from flowrl.runtime.worker import Call, NodeEntry
 
 
 #: a thread of each actor that answers while its task thread is busy (or stuck): stacks
@@ -50,21 +53,41 @@ class RayBackend(Backend):
         self._log_offset = 0  # where this run's part of the log starts
         self._early: threading.Thread | None = None  # asking for the workers before start() (prepare)
         self._early_error: BaseException | None = None
+        self._want_driver = False  # prepare was told the plan runs tasks on the driver's worker
         self._nodes: dict[str, dict[str, NodeEntry]] = {}
         self._seed = 0
 
-    def prepare(self, pools: list[PoolSpec]) -> None:
-        """Ask for ``pools``' worker processes as soon as Ray is up, on a thread (returns at once): they
-        start and import their roles' modules while the driver finishes its own start; :meth:`start`
-        (with the plan's nodes) has them build their roles."""
+    @classmethod
+    def asked_early(cls, graph: Graph, address: str | None, log_path: Path) -> "RayBackend":
+        """A backend that asks for ``graph``'s pools' worker processes as soon as Ray is up (:meth:`prepare`),
+        made before the driver has imported flowrl's runtime (``flowrl run``, right after the graph is
+        checked); a :class:`~flowrl.run.trainer.Trainer` given it adopts those workers."""
+        from flowrl.plan.pools import pool_specs
+
+        quiet_known_warnings()
+        made = cls(address=address)
+        made.log_path = log_path
+        made.prepare(pool_specs(graph), driver=False)  # the plan, made later, says whether it needs one
+        return made
+
+    def prepare(self, pools: list[PoolSpec], driver: bool = True) -> None:
+        """Ask for ``pools``' worker processes (and, where ``driver``, the driver's worker) as soon as Ray
+        is up, on a thread (returns at once): they start and import their roles' modules while the driver
+        finishes its own start; :meth:`start` (with the plan's nodes) has them build their roles. A second
+        call only adds the driver's worker to what is asked for (:meth:`start` asks for it if the first
+        call's thread has already asked for the rest)."""
+        self._want_driver = self._want_driver or driver
+        if self._early is not None:
+            return
         self._boot = ray_start.take(self.address)  # begun early by `flowrl run`, else here
         self._log_offset = log_offset(self.log_path)
-        self._early = threading.Thread(target=self._launch_early, args=(pools,), name="flowrl-workers", daemon=True)
+        self._early = threading.Thread(target=self._launch_early, args=(pools, driver), name="flowrl-workers",
+                                       daemon=True)
         self._early.start()
 
-    def _launch_early(self, pools: list[PoolSpec]) -> None:
+    def _launch_early(self, pools: list[PoolSpec], driver: bool) -> None:
         try:
-            self._launch(pools)
+            self._launch(pools, driver)
         except BaseException as e:  # noqa: BLE001 - raised again by start(), in the caller's thread
             self._early_error = e
 
@@ -76,7 +99,7 @@ class RayBackend(Backend):
         if self._early is None:
             self._boot = ray_start.take(self.address)  # begun early by `flowrl run`, else here
             self._log_offset = log_offset(self.log_path)
-            self._launch(pools)
+            self._launch(pools, driver)
         else:
             with span(self.spans, "driver", "waited for the workers asked for early"):
                 self._early.join()
@@ -85,14 +108,15 @@ class RayBackend(Backend):
             self._early = None  # adopted: shut down with the run
             if self._pools != {p.name: p for p in pools}:  # not the pools it was prepared for
                 self._drop_workers()
-                self._launch(pools)
+                self._launch(pools, driver)
+            elif driver != ((DRIVER, 0) in self.actors):  # the plan's word on the driver's worker came late
+                self._driver_worker(driver)
         ray = self._ray
         with span(self.spans, "driver", "workers started, roles built"):
             setups = [self.actors[(p.name, rank)].setup.remote(*self._setup_args(p)) for p in pools
                       for rank in range(p.workers)]
-            if driver:  # a threaded 0-CPU actor for stateless nodes; none when no node runs there
-                self.actors[(DRIVER, 0)] = self._actor_cls.options(num_cpus=0, max_concurrency=32).remote(
-                    DRIVER, 0, 1, self._log(), (), ([], nodes, seed, 1))
+            if driver:
+                setups.append(self.actors[(DRIVER, 0)].setup.remote([], nodes, seed, 1))
             self._form_groups(ray, [p for p in pools if p.workers > 1])
             # surface role-construction errors and dead workers now, not mid-step; one wait for all
             keys = list(self.actors)
@@ -102,8 +126,12 @@ class RayBackend(Backend):
         for spans in answers[len(setups) + len(keys):]:
             self.spans += spans
 
-    def _launch(self, pools: list[PoolSpec]) -> None:
-        """Wait for Ray, place ``pools`` and ask for every worker process (their roles are built later)."""
+    def _launch(self, pools: list[PoolSpec], driver: bool) -> None:
+        """Wait for Ray, place ``pools`` and ask for every worker process, and the driver's where ``driver``
+        (their roles are built later)."""
+        # flowrl's runtime (torch, tensordict) imports while Ray may still be starting
+        from flowrl.runtime.worker_process import ProcessWorker
+
         with span(self.spans, "driver", "waited for Ray's start"):
             ray = self._boot.ready()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -129,7 +157,17 @@ class RayBackend(Backend):
             self._pools[p.name] = p
             for rank in range(p.workers):
                 self.actors[(p.name, rank)] = self._worker(p, rank, now=False)
+        self._driver_worker(driver or self._want_driver)
         self.spans.append(Span("driver", "worker processes asked for", time.time(), time.time(), os.getpid()))
+
+    def _driver_worker(self, wanted: bool) -> None:
+        """Ask for the driver's worker (a threaded 0-CPU actor for stateless nodes) where ``wanted``, else
+        end it: none runs when no node runs there."""
+        if wanted and (DRIVER, 0) not in self.actors:
+            self.actors[(DRIVER, 0)] = self._actor_cls.options(num_cpus=0, max_concurrency=32).remote(
+                DRIVER, 0, 1, self._log())
+        elif not wanted and (DRIVER, 0) in self.actors:
+            self._ray.kill(self.actors.pop((DRIVER, 0)), no_restart=True)
 
     def _log(self) -> str | None:
         """The run's log, where each worker process writes what it prints (:mod:`flowrl.store.runlog`)."""
@@ -182,7 +220,7 @@ class RayBackend(Backend):
         strategy = self._strategy(placement_group=self._pg_of[p.name], placement_group_bundle_index=rank)
         return self._actor_cls.options(
             num_cpus=p.cpus, num_gpus=p.gpus, scheduling_strategy=strategy, name=None, max_restarts=0,
-        ).remote(p.name, rank, p.workers, self._log(), role_modules(p),
+        ).remote(p.name, rank, p.workers, self._log(), p.role_modules(),
                  self._setup_args(p, first_process) if now else None)
 
     def _setup_args(self, p: PoolSpec, first_process: bool = True) -> tuple[Any, ...]:

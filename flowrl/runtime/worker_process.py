@@ -23,7 +23,7 @@ from typing import Any, Sequence
 from flowrl.runtime.timeline import IMPORTED_AT, Span, process_start, span  # first: its import time is a mark
 from flowrl.errors import NodeError
 from flowrl.store.runlog import capture_worker_output, quiet_known_warnings
-from flowrl.plan.pools import PoolSpec, RoleBuild
+from flowrl.plan.pools import RoleBuild
 from flowrl.runtime.worker import NodeEntry, Worker
 
 
@@ -97,9 +97,4 @@ class ProcessWorker(Worker):
         return list(self.spans)
 
 
-def role_modules(pool: PoolSpec) -> list[str]:
-    """The modules ``pool``'s roles are built from: what its worker processes import before the plan."""
-    return sorted({rb.factory.__module__ for rb in pool.roles if rb.shares is None and rb.factory is not None})
-
-
-__all__ = ["ProcessWorker", "role_modules"]
+__all__ = ["ProcessWorker"]
