@@ -9,7 +9,8 @@ seed, flat log-probs; B: flowrl's ``VLLMRolloutEngine.generate``; C: flowrl's
 per-round ratios B/A and B/C. Then the weight push: ``update_weights`` of the
 whole state dict against ``torch.save`` of the same state dict to ``/dev/shm``,
 interleaved, MiB/s and the per-round ratio; and the probe check alone. Then
-start-up, build to first token, vLLM against hf. Then (``--steps``) the default
+start-up, build to first token, vLLM against hf: in this process (vLLM's import in the first
+round only), and from a fresh process with every import (``--cold-rounds``). Then (``--steps``) the default
 job on each engine, where its step time goes by phase. Every figure carries the
 load average beside it: on a shared machine, compare ratios, not seconds.
 
@@ -27,6 +28,8 @@ import importlib.util
 import multiprocessing
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -187,6 +190,39 @@ def startup(name: str, model, tok, rounds: int) -> list[str]:
             f"{min(loads):.1f}-{max(loads):.1f}"]
 
 
+def cold_child(engine: str, name: str, root: str) -> None:
+    """(``--cold-child``) ``engine`` built in this fresh process from nothing imported, to its first token."""
+    model, tok = load(name, root)
+    ids, mask = prompts(1, model.config.vocab_size)
+    if engine == "hf":
+        HFRolloutEngine(model, tok, seed=0).generate(ids, mask, SamplingParams(max_new_tokens=1))
+    else:
+        VLLMRolloutEngine.from_model(model, tok, seed=0, options={"kv_cache_mib": 64}).generate(
+            ids, mask, SamplingParams(max_new_tokens=1))
+    print("FIRST-TOKEN", flush=True)
+    os._exit(0)  # the time measured ends at the line; the engine's shutdown is not part of it
+
+
+def cold_startup(name: str, root: str, rounds: int) -> list[str]:
+    """Each engine from a fresh process, every import included (torch, transformers; vLLM for vLLM), to its
+    first token, hf and vLLM interleaved: the wall time from starting the process to the first token."""
+    times, loads = {"hf": [], "vllm": []}, []
+    for _ in range(rounds):
+        loads.append(load_average())
+        for engine in times:
+            start = time.perf_counter()
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--cold-child", engine, name, root],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            for line in proc.stdout:
+                if line.startswith("FIRST-TOKEN"):
+                    times[engine].append(time.perf_counter() - start)
+            if proc.wait() != 0 or len(times[engine]) < len(loads):
+                raise RuntimeError(f"the {engine} engine did not start in a fresh process ({name})")
+    hf_m, vllm_m = statistics.median(times["hf"]), statistics.median(times["vllm"])
+    return [name, f"{hf_m:.1f}", f"{vllm_m:.1f}", f"{2 * hf_m + 15:.1f}",
+            " ".join(f"{h:.1f}/{v:.1f}" for h, v in zip(times["hf"], times["vllm"])), f"{min(loads):.1f}-{max(loads):.1f}"]
+
+
 def hf_only(name: str, model, tok, args) -> list[str]:
     """The hf engine's tokens/s alone, where vLLM is not installed (the main environment)."""
     ids, mask = prompts(args.prompts, model.config.vocab_size)
@@ -235,12 +271,17 @@ def main() -> None:
     parser.add_argument("--start-rounds", type=int, default=2, help="engine starts of each kind per model")
     parser.add_argument("--kv-mib", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=0, help="steps of the default job per engine (0: none)")
+    parser.add_argument("--cold-rounds", type=int, default=2,
+                        help="engine starts of each kind from a fresh process, every import included")
     parser.add_argument("--smoke", action="store_true", help="builtin:tiny, 2 rounds, 8 prompts x 2 x 8 tokens")
+    parser.add_argument("--cold-child", nargs=3, help=argparse.SUPPRESS)  # ENGINE MODEL ROOT: one cold start
     args = parser.parse_args()
+    if args.cold_child:
+        cold_child(*args.cold_child)
     job: dict = {}
     if args.smoke:
-        args.models, args.tokens, args.prompts, args.n, args.rounds, args.start_rounds = (
-            ["builtin:tiny"], 8, 8, 2, 2, 1)
+        args.models, args.tokens, args.prompts, args.n, args.rounds, args.start_rounds, args.cold_rounds = (
+            ["builtin:tiny"], 8, 8, 2, 2, 1, 1)
         args.steps, job = 3, {"data.batch_size": 4, "nodes.generate.n": 2}
     hf("logging").disable_progress_bar()
     have_vllm = importlib.util.find_spec("vllm") is not None
@@ -260,6 +301,10 @@ def main() -> None:
                 print_table("start-up, build to first token (median; the first model's first vLLM round imports "
                             "vLLM)", ["model", "hf s", "vLLM s", "2 x hf + 15 s", "vLLM rounds", "load"],
                             [startup(name, model, tok, args.start_rounds)])
+            if args.cold_rounds:
+                print_table("start-up from a fresh process, every import included, to the first token (median)",
+                            ["model", "hf s", "vLLM s", "2 x hf + 15 s", "rounds hf/vLLM", "load"],
+                            [cold_startup(name, root, args.cold_rounds)])
             gen, push = generation(name, model, tok, args)
             print_table(f"generation: {args.prompts} prompts x {args.n} samples x {args.tokens} tokens, "
                         f"temperature 1, keyed seeds, log-probs; median of {args.rounds} interleaved rounds "

@@ -223,13 +223,14 @@ def cuda_bucket(bucket: Bucket) -> Iterator[tuple[list[Any], list[list[Any]]]]:
 # --- the worker's side ------------------------------------------------------------------------------
 
 class WeightSyncExtension:
-    """Methods vLLM mixes into its worker (``worker_extension_cls``): one in-place reload over many calls.
+    """Methods vLLM mixes into its worker (``worker_extension_cls``): one reload over many calls.
 
-    ``flowrl_begin_reload`` puts the model in vLLM's layer-wise reload state;
-    each ``flowrl_load_*`` feeds it a bucket by one transport (a layer whose
-    tensors span buckets is processed when its last one arrives);
-    ``flowrl_finish_reload`` processes what is left (CPU: re-packs the linear
-    weights), drops the caches derived from the old weights and returns the names loaded.
+    ``flowrl_begin_reload`` picks the way (in place, or vLLM's layer-wise
+    reload state); each ``flowrl_load_*`` loads a bucket by one transport (in
+    place: copied into the parameters; layer-wise: a layer whose tensors span
+    buckets is processed when its last one arrives); ``flowrl_finish_reload``
+    re-packs the linear layers (in place) or processes what is left
+    (layer-wise), drops the caches derived from the old weights and returns the names loaded.
     """
 
     def flowrl_begin_reload(self, in_place: bool = False) -> str:
@@ -240,11 +241,11 @@ class WeightSyncExtension:
         model = self.model_runner.get_model()
         self.flowrl_loaded: list[str] = []
         self.flowrl_repack = in_place_layers(model) if in_place else None
-        if self.flowrl_repack is None:
-            drop_unpacked_copies(model)  # a layer-wise reload after in-place ones: as vLLM left the layers
-        self.flowrl_aliases = tied_aliases(model) if self.flowrl_repack is not None else set()
         if self.flowrl_repack is not None:
+            self.flowrl_aliases = tied_aliases(model)
             return "in_place"
+        self.flowrl_aliases: set[str] = set()
+        drop_unpacked_copies(model)  # a layer-wise reload after in-place ones: as vLLM left the layers
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
         return "layerwise"
