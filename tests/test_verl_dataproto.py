@@ -4,7 +4,7 @@ distribution), run against :mod:`flowrl.data` with only the import changed.
 The test file is read from the installed verl package (``.ci/run`` installs it
 with ``--no-deps``, see :mod:`tests.verl_reference`), never copied here. While its tests run, ``verl``,
 ``verl.protocol`` and ``verl.utils.tensordict_utils`` resolve to :mod:`flowrl.data`
-and :mod:`flowrl.data.verl_compat`, so ``from verl import DataProto`` gets
+and :mod:`flowrl.data.verl_functions`, so ``from verl import DataProto`` gets
 flowrl's DataProto.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import flowrl.data
-from flowrl.data import verl_compat
+from flowrl.data import verl_functions
 from tests.verl_reference import INSTALL, add_verl_to_path
 
 VERL_TEST = "tests/test_protocol_on_cpu.py"
@@ -42,10 +42,10 @@ def _as_verl() -> dict[str, types.ModuleType]:
     verl = types.ModuleType("verl")
     verl.DataProto = flowrl.data.DataProto
     utils = types.ModuleType("verl.utils")
-    utils.tensordict_utils = verl_compat
+    utils.tensordict_utils = verl_functions
     verl.protocol, verl.utils = flowrl.data, utils
     return {"verl": verl, "verl.protocol": flowrl.data, "verl.utils": utils,
-            "verl.utils.tensordict_utils": verl_compat}
+            "verl.utils.tensordict_utils": verl_functions}
 
 
 def _swap_modules(modules: dict[str, types.ModuleType]) -> dict[str, types.ModuleType | None]:

@@ -29,7 +29,7 @@ _HOME = {
     "DataProtoFuture": "flowrl.data.future",
     "resolve": "flowrl.data.future",
     "DataProto": "flowrl.data.proto",
-    "collate_fn": "flowrl.data.proto",
+    "collate_fn": "flowrl.data.verl_functions",
     "deserialize_single_tensor": "flowrl.data.serialize",
     "deserialize_tensordict": "flowrl.data.serialize",
     "get_readonly_policy": "flowrl.data.serialize",
@@ -41,11 +41,11 @@ _HOME = {
     "PADDING_SIZE_KEY": "flowrl.data.verl_compat",
     "DataProtoConfig": "flowrl.data.verl_compat",
     "DataProtoItem": "flowrl.data.verl_compat",
-    "fold_batch_dim": "flowrl.data.verl_compat",
-    "get_tensordict": "flowrl.data.verl_compat",
-    "pad_dataproto_to_divisor": "flowrl.data.verl_compat",
-    "unfold_batch_dim": "flowrl.data.verl_compat",
-    "unpad_dataproto": "flowrl.data.verl_compat",
+    "fold_batch_dim": "flowrl.data.verl_functions",
+    "get_tensordict": "flowrl.data.verl_functions",
+    "pad_dataproto_to_divisor": "flowrl.data.verl_functions",
+    "unfold_batch_dim": "flowrl.data.verl_functions",
+    "unpad_dataproto": "flowrl.data.verl_functions",
 }
 __getattr__, __dir__ = lazy_exports(__name__, _HOME)
 

@@ -39,7 +39,8 @@ from flowrl.graph.problems import (
 )
 from flowrl.graph.config import GraphConfig
 from flowrl.graph.declare import operator
-from flowrl.graph.ir import Graph, Node, StateEdge
+from flowrl.graph.ir import Graph
+from flowrl.graph.nodes import Node, StateEdge
 from flowrl.graph.load import builtin_graphs, load_graph
 from flowrl.graph.registry import REGISTRY, make_source, role_kind, source
 from flowrl.graph.role import Role, Stateful

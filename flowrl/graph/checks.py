@@ -43,7 +43,7 @@ from flowrl.graph.problems import (
     UnresolvedInputWarning,
     UnusedOutputWarning,
 )
-from flowrl.graph.config import FAULT_WINDOWS, parse_fault
+from flowrl.graph.run_checks import check_run_settings
 from flowrl.graph.spec import SOURCE
 
 if TYPE_CHECKING:  # the IR calls these checks (Graph.check); they only read it
@@ -110,7 +110,7 @@ def check(graph: Graph, resources: dict[str, float] | None = None) -> Report:
     _check_roles(graph, add)
     _check_pools(graph, add, resources if resources is not None else local_resources())
     _check_unused(graph, add)
-    _check_run_settings(graph, add)
+    check_run_settings(graph, add)
     _run_declared_checks(graph, add)
     _collapse_cascades(report)
     report.problems.sort(key=lambda p: p.severity != "error")
@@ -325,65 +325,6 @@ def _run_declared_checks(graph: Graph, add) -> None:
         except Exception as e:  # noqa: BLE001 - a broken check is reported, never a traceback
             add(SchemaError(f"the check {fn.__module__}.{fn.__name__} failed: {type(e).__name__}: {e}",
                             fix="report this as a bug of the package that declares the check"))
-
-
-def _check_run_settings(graph: Graph, add) -> None:
-    """Keys whose meaning depends on the graph: staleness per role, validation."""
-    staleness = graph.config.schedule.staleness
-    if isinstance(staleness, dict):
-        updated = sorted({node.role for node in graph.nodes.values() if node.updates_role and node.role})
-        for role in staleness:
-            if role not in updated:
-                near = difflib.get_close_matches(role, updated, n=1, cutoff=0.5)
-                what = "is not a role" if role not in graph.config.roles else "is never updated by a node"
-                add(SchemaError(
-                    f"schedule.staleness names {role!r}, which {what}: its bound would be ignored",
-                    location=graph.locate("schedule", "staleness", role),
-                    fix=(f"did you mean {near[0]!r}? " if near else "")
-                    + f"staleness is keyed by updated roles: {', '.join(updated) or '(none in this graph)'}",
-                ))
-    for name, node in graph.nodes.items():
-        policy = node.config.on_error
-        if policy is not None and policy.then != "fail" and (node.updates_role or node.scope == "batch"):
-            what = "updates its role" if node.updates_role else "is batch-scoped"
-            add(SchemaError(
-                f"on_error.then: {policy.then}, but the node {what}: its rows cannot be left out one group at a time "
-                "(an update that failed half-way may already have changed the weights)",
-                node=name, field="on_error", location=graph.locate("nodes", name, "on_error", "then"),
-                fix="use drop_group on the row- or group-scoped node that fails (a reward, a tool, an environment); "
-                    "here use on_error: {retries: N} or fail",
-            ))
-    updated = {node.role for node in graph.nodes.values() if node.updates_role}
-    for pool, cfg in graph.config.pools.items():
-        trained = sorted(set(cfg.roles) & updated)
-        if cfg.max_restarts and (trained or cfg.workers > 1) and not graph.config.trainer.checkpoint_every:
-            why = (f"its role {trained[0]!r} is updated" if trained
-                   else f"its {cfg.workers} workers form one process group")
-            add(SchemaError(
-                f"pools.{pool}.max_restarts: {cfg.max_restarts}, but {why}, so a dead worker rolls the run back "
-                f"to its last checkpoint, and trainer.checkpoint_every is 0 (no checkpoint before the end)",
-                location=graph.locate("pools", pool, "max_restarts"), field="max_restarts",
-                fix="set trainer.checkpoint_every (a dead worker costs the steps since the last checkpoint), "
-                    "or max_restarts: 0",
-            ))
-    record, fault = graph.config.trainer.record, graph.config.trainer.fault
-    named = [(("trainer", "record", "nodes", i), name) for i, name in enumerate(record.nodes if record else [])]
-    named += [(("trainer", "fault"), parse_fault(fault).node)] if fault is not None else []
-    for path, name in named:  # trainer keys that name a node
-        if name not in graph.nodes and not (path[1] == "fault" and name in FAULT_WINDOWS):
-            near = difflib.get_close_matches(name, list(graph.nodes), n=1, cutoff=0.5)
-            add(SchemaError(f"{'.'.join(map(str, path[:3]))} names {name!r}, which is not a node of this graph",
-                            location=graph.locate(*path), field=path[1],
-                            fix=(f"did you mean {near[0]!r}? " if near else "")
-                            + f"the nodes are: {', '.join(graph.nodes)}"))
-    if graph.config.trainer.val_every and graph.scorer() is None:
-        add(SchemaError(
-            "trainer.val_every asks for validation, but no node scores responses (no node's operator "
-            "declares a score output)",
-            location=graph.locate("trainer", "val_every"),
-            fix="add a reward node (its operator declares @operator(..., score='<output>')), or set "
-                "trainer.val_every: 0",
-        ))
 
 
 def _collapse_cascades(report: Report) -> None:

@@ -22,9 +22,6 @@ Example::
 
 from __future__ import annotations
 
-import difflib
-
-from dataclasses import dataclass, field
 from typing import Any
 
 import networkx as nx
@@ -33,69 +30,10 @@ from pydantic import ValidationError
 from flowrl.data.fields import Field
 from flowrl.graph.checks import Report, check
 from flowrl.graph.config import GraphConfig, NodeConfig, RoleConfig
-from flowrl.graph.problems import BuildProblem, Location
+from flowrl.graph.nodes import Node, StateEdge
+from flowrl.graph.problems import BuildProblem, Location, parameter_fix, pydantic_message
 from flowrl.graph.registry import REGISTRY, ImportPathError, UnknownNameError, load_module, source_kind
-from flowrl.graph.spec import SOURCE, OperatorSpec, Params, TokenMetrics
-
-
-@dataclass
-class Node:
-    """One operator instance in the graph."""
-
-    name: str
-    config: NodeConfig
-    op: OperatorSpec | None = None  # None when the operator could not be resolved
-    params: Params | None = None  # None when invalid
-    role: str | None = None
-    inputs: tuple[Field, ...] = ()  # graph-level field names (after renames)
-    outputs: tuple[Field, ...] = ()
-    location: Location = field(default_factory=Location)
-
-    @property
-    def op_name(self) -> str:
-        return self.op.name if self.op is not None else self.config.op
-
-    @property
-    def scope(self) -> str:
-        return self.op.scope if self.op is not None else "batch"
-
-    @property
-    def updates_role(self) -> bool:
-        return bool(self.op is not None and self.op.updates_role)
-
-    @property
-    def cost(self) -> float:
-        if self.config.cost is not None:
-            return self.config.cost
-        return self.op.cost if self.op is not None else 1.0
-
-    @property
-    def timeout_s(self) -> float | None:
-        return self.config.timeout_s
-
-    def input_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.inputs)
-
-    def output_names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.outputs)
-
-    def op_field(self, graph_field: str) -> str:
-        """The operator's own name for a (possibly renamed) graph field."""
-        for op_name, g_name in {**self.config.inputs, **self.config.outputs}.items():
-            if g_name == graph_field:
-                return op_name
-        return graph_field
-
-
-@dataclass(frozen=True)
-class StateEdge:
-    """``src`` (updating ``role``) at step t feeds ``dst`` at step t+1, at most
-    ``staleness`` versions behind."""
-
-    role: str
-    src: str
-    dst: str
-    staleness: int
+from flowrl.graph.spec import SOURCE, TokenMetrics
 
 
 class Graph:
@@ -168,8 +106,8 @@ class Graph:
         except ValidationError as e:
             for err in e.errors():
                 self.problems.append(BuildProblem(
-                    "parameter", f"data: {_pydantic_msg(err)}", path=("data", *err["loc"]),
-                    fix=_param_fix(spec.config, err),
+                    "parameter", f"data: {pydantic_message(err)}", path=("data", *err["loc"]),
+                    fix=parameter_fix(spec.config, err),
                 ))
             return
         self.source_fields = spec.fields(cfg)
@@ -201,8 +139,8 @@ class Graph:
             except ValidationError as e:
                 for err in e.errors():
                     self.problems.append(BuildProblem(
-                        "role_settings", f"role {name!r}: {_pydantic_msg(err)}",
-                        path=("roles", name, *err["loc"]), fix=_param_fix(REGISTRY.roles[kind].config, err),
+                        "role_settings", f"role {name!r}: {pydantic_message(err)}",
+                        path=("roles", name, *err["loc"]), fix=parameter_fix(REGISTRY.roles[kind].config, err),
                     ))
 
     def _role_kind(self, name: str, roles: dict[str, RoleConfig], seen: set[str]) -> str | None:
@@ -246,9 +184,9 @@ class Graph:
         except ValidationError as e:
             for err in e.errors():
                 self.problems.append(BuildProblem(
-                    "parameter", f"operator {op.name!r}: {_pydantic_msg(err)}", node=name,
+                    "parameter", f"operator {op.name!r}: {pydantic_message(err)}", node=name,
                     field=str(err["loc"][0]) if err["loc"] else None,
-                    path=("nodes", name, *err["loc"]), fix=_param_fix(op.params, err),
+                    path=("nodes", name, *err["loc"]), fix=parameter_fix(op.params, err),
                 ))
         node.role = cfg.role if cfg.role is not None else op.role
         for what, declared, renames in (("input", op.inputs, cfg.inputs), ("output", op.outputs, cfg.outputs)):
@@ -426,39 +364,3 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, nodes={list(self.nodes)})"
-
-
-def _pydantic_msg(err: dict[str, Any]) -> str:
-    loc = ".".join(str(x) for x in err["loc"])
-    if err["type"] == "extra_forbidden":
-        return f"unknown parameter {loc!r}"
-    if err["type"] == "missing":
-        return f"missing required parameter {loc!r}"
-    got = err.get("input")
-    return f"parameter {loc!r}: {err['msg']} (got {got!r})" if loc else f"{err['msg']} (got {got!r})"
-
-
-def _param_fix(model: type, err: dict[str, Any]) -> str:
-    """What to do about one pydantic error of ``model``: for an unknown key, the closest valid one
-    and the keys valid at that level; otherwise what the value must be."""
-    loc = [str(x) for x in err["loc"]]
-    if err["type"] == "extra_forbidden":
-        names = _field_names(model, loc[:-1])
-        close = difflib.get_close_matches(loc[-1], names, n=1) if loc else []
-        listed = f"valid parameters: {', '.join(names)}" if names else "it takes no parameters"
-        return f"did you mean {close[0]!r}? {listed}" if close else listed
-    where = ".".join(loc) or "the value"
-    if err["type"] == "missing":
-        return f"set {where!r}"
-    return f"change {where!r}: {err['msg'][:1].lower()}{err['msg'][1:]}"
-
-
-def _field_names(model: type, path: list[str]) -> list[str]:
-    """The field names of ``model``'s nested model at ``path`` (its own where the path leaves models)."""
-    for key in path:
-        field = getattr(model, "model_fields", {}).get(key)
-        inner = field.annotation if field is not None else None
-        if not (isinstance(inner, type) and hasattr(inner, "model_fields")):
-            break
-        model = inner
-    return list(getattr(model, "model_fields", {}))

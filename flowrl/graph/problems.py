@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from typing import Any, ClassVar
 from flowrl.errors import ConfigError
@@ -198,3 +199,42 @@ __all__ = [
     "ResourceError", "RoleError", "RoleWithoutPoolError", "SchemaError", "UnknownOperatorError",
     "UnresolvedInputWarning", "UnusedOutputWarning",
 ]
+
+
+# --- pydantic errors of settings, in words -----------------------------------------------------
+
+def pydantic_message(err: dict[str, Any]) -> str:
+    """One pydantic error of a node's, a role's or the data source's settings, in words."""
+    loc = ".".join(str(x) for x in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"unknown parameter {loc!r}"
+    if err["type"] == "missing":
+        return f"missing required parameter {loc!r}"
+    got = err.get("input")
+    return f"parameter {loc!r}: {err['msg']} (got {got!r})" if loc else f"{err['msg']} (got {got!r})"
+
+
+def parameter_fix(model: type, err: dict[str, Any]) -> str:
+    """What to do about one pydantic error of ``model``: for an unknown key, the closest valid one
+    and the keys valid at that level; otherwise what the value must be."""
+    loc = [str(x) for x in err["loc"]]
+    if err["type"] == "extra_forbidden":
+        names = _field_names(model, loc[:-1])
+        close = difflib.get_close_matches(loc[-1], names, n=1) if loc else []
+        listed = f"valid parameters: {', '.join(names)}" if names else "it takes no parameters"
+        return f"did you mean {close[0]!r}? {listed}" if close else listed
+    where = ".".join(loc) or "the value"
+    if err["type"] == "missing":
+        return f"set {where!r}"
+    return f"change {where!r}: {err['msg'][:1].lower()}{err['msg'][1:]}"
+
+
+def _field_names(model: type, path: list[str]) -> list[str]:
+    """The field names of ``model``'s nested model at ``path`` (its own where the path leaves models)."""
+    for key in path:
+        field = getattr(model, "model_fields", {}).get(key)
+        inner = field.annotation if field is not None else None
+        if not (isinstance(inner, type) and hasattr(inner, "model_fields")):
+            break
+        model = inner
+    return list(getattr(model, "model_fields", {}))

@@ -109,8 +109,8 @@ class RayBackend(Backend):
             if self._pools != {p.name: p for p in pools}:  # not the pools it was prepared for
                 self._drop_workers()
                 self._launch(pools, driver)
-            elif driver != ((DRIVER, 0) in self.actors):  # the plan's word on the driver's worker came late
-                self._driver_worker(driver)
+            elif driver:  # the plan's word on the driver's worker came after the others were asked for
+                self._driver_worker()
         ray = self._ray
         with span(self.spans, "driver", "workers started, roles built"):
             setups = [self.actors[(p.name, rank)].setup.remote(*self._setup_args(p)) for p in pools
@@ -157,17 +157,16 @@ class RayBackend(Backend):
             self._pools[p.name] = p
             for rank in range(p.workers):
                 self.actors[(p.name, rank)] = self._worker(p, rank, now=False)
-        self._driver_worker(driver or self._want_driver)
+        if driver or self._want_driver:
+            self._driver_worker()
         self.spans.append(Span("driver", "worker processes asked for", time.time(), time.time(), os.getpid()))
 
-    def _driver_worker(self, wanted: bool) -> None:
-        """Ask for the driver's worker (a threaded 0-CPU actor for stateless nodes) where ``wanted``, else
-        end it: none runs when no node runs there."""
-        if wanted and (DRIVER, 0) not in self.actors:
+    def _driver_worker(self) -> None:
+        """Ask for the driver's worker, a threaded 0-CPU actor for stateless nodes (none when no node runs
+        there), unless it is asked for already."""
+        if (DRIVER, 0) not in self.actors:
             self.actors[(DRIVER, 0)] = self._actor_cls.options(num_cpus=0, max_concurrency=32).remote(
                 DRIVER, 0, 1, self._log())
-        elif not wanted and (DRIVER, 0) in self.actors:
-            self._ray.kill(self.actors.pop((DRIVER, 0)), no_restart=True)
 
     def _log(self) -> str | None:
         """The run's log, where each worker process writes what it prints (:mod:`flowrl.store.runlog`)."""
